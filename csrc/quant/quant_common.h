@@ -1,0 +1,92 @@
+// Host-side argument checks and output allocation of the quant ops, shared by the CPU and CUDA
+// kernels so both reject the same inputs with the same message and return the same shapes.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <lazyzero/checks.h>
+
+#include <tuple>
+
+namespace lazyzero::quant {
+
+inline int64_t num_blocks(int64_t numel, int64_t block_size) {
+  return (numel + block_size - 1) / block_size;
+}
+
+inline void check_block_size(int64_t block_size, bool packs_int4) {
+  TORCH_CHECK(block_size > 0, "block_size must be positive, got ", block_size);
+  TORCH_CHECK(!packs_int4 || block_size % 2 == 0,
+              "int4 block_size must be even so that no byte holds two blocks, got ", block_size);
+}
+
+inline bool is_supported_float(at::ScalarType dtype) {
+  return dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf;
+}
+
+inline void check_float_dtype(at::ScalarType dtype, const char* name) {
+  TORCH_CHECK(is_supported_float(dtype), name, " must be float32, bfloat16 or float16, got ",
+              dtype);
+}
+
+// codes int8 [n] (or packed uint8 [ceil(n/2)]) and fp32 scales [ceil(n/block_size)], on x's device.
+inline std::tuple<at::Tensor, at::Tensor> allocate_quantize_outputs(const at::Tensor& x,
+                                                                    int64_t block_size,
+                                                                    bool packs_int4) {
+  check_block_size(block_size, packs_int4);
+  check_float_dtype(x.scalar_type(), "x");
+  const int64_t n = x.numel();
+  const int64_t code_bytes = packs_int4 ? (n + 1) / 2 : n;
+  at::Tensor codes = at::empty({code_bytes}, x.options().dtype(packs_int4 ? at::kByte : at::kChar));
+  at::Tensor scales = at::empty({num_blocks(n, block_size)}, x.options().dtype(at::kFloat));
+  return {codes, scales};
+}
+
+inline void check_scales(const at::Tensor& scales, const at::Tensor& codes, int64_t expected_numel) {
+  check_dtype(scales, at::kFloat, "scales");
+  check_numel(scales, expected_numel, "scales");
+  check_same_device(codes, scales, "codes", "scales");
+}
+
+inline void check_dequantize_int8_args(const at::Tensor& codes, const at::Tensor& scales,
+                                       int64_t block_size, at::ScalarType out_dtype) {
+  check_block_size(block_size, false);
+  check_dtype(codes, at::kChar, "codes");
+  check_scales(scales, codes, num_blocks(codes.numel(), block_size));
+  check_float_dtype(out_dtype, "out_dtype");
+}
+
+inline void check_dequantize_int4_args(const at::Tensor& packed, const at::Tensor& scales,
+                                       int64_t numel, int64_t block_size,
+                                       at::ScalarType out_dtype) {
+  check_block_size(block_size, true);
+  TORCH_CHECK(numel >= 0, "numel must be non-negative, got ", numel);
+  check_dtype(packed, at::kByte, "packed");
+  check_numel(packed, (numel + 1) / 2, "packed");
+  check_scales(scales, packed, num_blocks(numel, block_size));
+  check_float_dtype(out_dtype, "out_dtype");
+}
+
+// codes int8 [K, n], scales fp32 [K, ceil(n/block_size)].
+inline void check_dequantize_sum_args(const at::Tensor& codes, const at::Tensor& scales,
+                                      int64_t block_size) {
+  check_block_size(block_size, false);
+  check_dtype(codes, at::kChar, "codes");
+  check_dim(codes, 2, "codes");
+  check_dim(scales, 2, "scales");
+  check_dtype(scales, at::kFloat, "scales");
+  check_same_device(codes, scales, "codes", "scales");
+  const int64_t blocks_per_row = num_blocks(codes.size(1), block_size);
+  TORCH_CHECK(scales.size(0) == codes.size(0) && scales.size(1) == blocks_per_row,
+              "scales must have shape [", codes.size(0), ", ", blocks_per_row, "], got ",
+              scales.sizes());
+}
+
+inline void check_sum_destination(const at::Tensor& out, const at::Tensor& codes) {
+  check_dtype(out, at::kFloat, "out");
+  check_numel(out, codes.size(1), "out");
+  check_contiguous(out, "out");
+  check_same_device(codes, out, "codes", "out");
+}
+
+}  // namespace lazyzero::quant

@@ -1,0 +1,240 @@
+// CUDA kernels of block-wise int8/int4 quantization (spec: lazyzero/ops/quant_reference.py).
+//
+// Quantization gives each block to one warp: the lanes stride over the block for its absmax, reduce
+// it with shuffles, then stride again to write codes, so the block-level decisions (zero /
+// non-finite) are uniform across the warp. Dequantization and the fused dequantize-sum are
+// element-wise grid-stride loops. All fp32 arithmetic goes through lazyzero/quant_math.h, whose
+// explicit round-to-nearest intrinsics keep the results bit-identical to the CPU kernels.
+#include <ATen/core/Tensor.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <lazyzero/dispatch.h>
+#include <lazyzero/quant_math.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <tuple>
+
+#include "quant/quant_common.h"
+
+namespace lazyzero::quant {
+namespace {
+
+constexpr int kWarpSize = 32;
+constexpr int kThreadsPerCta = 256;
+// Grid-stride loops cover any size; more CTAs than this only adds scheduling overhead.
+constexpr int64_t kMaxCtas = 4096;
+
+int64_t ctas_for(int64_t threads_wanted) {
+  return std::clamp<int64_t>((threads_wanted + kThreadsPerCta - 1) / kThreadsPerCta, 1, kMaxCtas);
+}
+
+struct Rounding {
+  float qmax;
+  bool stochastic;
+  uint64_t key;  // stream_key(seed); unused when !stochastic
+};
+
+__device__ __forceinline__ uint32_t warp_max(uint32_t value) {
+  for (int offset = kWarpSize / 2; offset > 0; offset /= 2) {
+    value = max(value, __shfl_xor_sync(0xffffffffu, value, offset));
+  }
+  return value;
+}
+
+// Code of element `index` (global) of a block whose scale and kind are known.
+__device__ __forceinline__ int32_t element_code(float x, float scale, BlockKind kind,
+                                                const Rounding& rounding, int64_t index) {
+  float code = 0.0f;
+  if (kind == BlockKind::kNonFinite) {
+    code = nonfinite_block_code(x, rounding.qmax);
+  } else if (kind == BlockKind::kFinite) {
+    code = rounding.stochastic
+               ? stochastic_code(x, scale, rounding.qmax, uniform_at(rounding.key, index))
+               : nearest_code(x, scale, rounding.qmax);
+  }
+  return static_cast<int32_t>(code);
+}
+
+template <typename T>
+__device__ __forceinline__ uint32_t block_absmax_bits(const T* x, int64_t len, int lane) {
+  uint32_t max_bits = 0;
+  for (int64_t i = lane; i < len; i += kWarpSize) {
+    max_bits = max(max_bits, abs_bits(static_cast<float>(x[i])));
+  }
+  return warp_max(max_bits);
+}
+
+// out: int8 [n] codes, or uint8 [ceil(n/2)] packed int4 codes when kPackInt4 (block_size is even
+// then, so block b starts at byte b * block_size / 2).
+template <typename T, bool kPackInt4>
+__global__ void quantize_kernel(const T* x, int64_t n, int64_t block_size, int64_t nblocks,
+                                Rounding rounding, void* out, float* scales) {
+  const int lane = threadIdx.x % kWarpSize;
+  const int64_t first_warp = (blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x) / kWarpSize;
+  const int64_t warps = gridDim.x * static_cast<int64_t>(blockDim.x) / kWarpSize;
+  for (int64_t b = first_warp; b < nblocks; b += warps) {
+    const int64_t start = b * block_size;
+    const int64_t len = n - start < block_size ? n - start : block_size;
+    const T* block = x + start;
+    const float scale = scale_from_absmax_bits(block_absmax_bits(block, len, lane), rounding.qmax);
+    const BlockKind kind = classify_block(scale);
+    if (lane == 0) scales[b] = scale;
+    if constexpr (kPackInt4) {
+      uint8_t* packed = static_cast<uint8_t*>(out) + start / 2;
+      for (int64_t j = lane; j < (len + 1) / 2; j += kWarpSize) {
+        const int64_t i = 2 * j;
+        const int32_t low = element_code(static_cast<float>(block[i]), scale, kind, rounding, start + i);
+        const int32_t high =
+            i + 1 < len
+                ? element_code(static_cast<float>(block[i + 1]), scale, kind, rounding, start + i + 1)
+                : 0;
+        packed[j] = pack_nibbles(low, high);
+      }
+    } else {
+      int8_t* codes = static_cast<int8_t*>(out) + start;
+      for (int64_t i = lane; i < len; i += kWarpSize) {
+        codes[i] = static_cast<int8_t>(
+            element_code(static_cast<float>(block[i]), scale, kind, rounding, start + i));
+      }
+    }
+  }
+}
+
+template <typename OutT>
+__global__ void dequantize_int8_kernel(const int8_t* codes, const float* scales, int64_t n,
+                                       int64_t block_size, OutT* out) {
+  const int64_t stride = gridDim.x * static_cast<int64_t>(blockDim.x);
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n; i += stride) {
+    out[i] = static_cast<OutT>(dequantize_code(codes[i], scales[i / block_size]));
+  }
+}
+
+template <typename OutT>
+__global__ void dequantize_int4_kernel(const uint8_t* packed, const float* scales, int64_t n,
+                                       int64_t block_size, OutT* out) {
+  const int64_t stride = gridDim.x * static_cast<int64_t>(blockDim.x);
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n; i += stride) {
+    const uint8_t byte = packed[i / 2];
+    const int32_t code = (i % 2 == 0) ? low_nibble_code(byte) : high_nibble_code(byte);
+    out[i] = static_cast<OutT>(dequantize_code(code, scales[i / block_size]));
+  }
+}
+
+// out[i] = fp32(alpha) * (((0 + c0*s0) + c1*s1) + ...), the reference's order and roundings.
+__global__ void dequantize_sum_kernel(const int8_t* codes, const float* scales, int64_t rows,
+                                      int64_t n, int64_t block_size, float alpha, float* out) {
+  const int64_t blocks_per_row = (n + block_size - 1) / block_size;
+  const int64_t stride = gridDim.x * static_cast<int64_t>(blockDim.x);
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n; i += stride) {
+    const int64_t block = i / block_size;
+    float acc = 0.0f;
+    for (int64_t k = 0; k < rows; ++k) {
+      acc = add_rn(acc, dequantize_code(codes[k * n + i], scales[k * blocks_per_row + block]));
+    }
+    out[i] = mul_rn(acc, alpha);
+  }
+}
+
+std::tuple<at::Tensor, at::Tensor> quantize_cuda(const at::Tensor& x, int64_t block_size,
+                                                 bool stochastic, int64_t seed, bool packs_int4) {
+  auto [codes, scales] = allocate_quantize_outputs(x, block_size, packs_int4);
+  const int64_t nblocks = scales.numel();
+  if (nblocks == 0) return {codes, scales};
+  const c10::cuda::CUDAGuard guard(x.device());
+  const at::Tensor input = x.contiguous();
+  const Rounding rounding{packs_int4 ? kInt4Max : kInt8Max, stochastic, stream_key(seed)};
+  const int64_t ctas = ctas_for(nblocks * kWarpSize);
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  LZ_DISPATCH_FLOAT_TYPES(input.scalar_type(), "lazyzero::quantize", [&] {
+    const auto kernel = packs_int4 ? quantize_kernel<scalar_t, true> : quantize_kernel<scalar_t, false>;
+    kernel<<<ctas, kThreadsPerCta, 0, stream>>>(input.const_data_ptr<scalar_t>(), input.numel(),
+                                                block_size, nblocks, rounding, codes.data_ptr(),
+                                                scales.mutable_data_ptr<float>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+  return {codes, scales};
+}
+
+std::tuple<at::Tensor, at::Tensor> quantize_int8_cuda(const at::Tensor& x, int64_t block_size,
+                                                      bool stochastic, int64_t seed) {
+  return quantize_cuda(x, block_size, stochastic, seed, /*packs_int4=*/false);
+}
+
+std::tuple<at::Tensor, at::Tensor> quantize_int4_cuda(const at::Tensor& x, int64_t block_size,
+                                                      bool stochastic, int64_t seed) {
+  return quantize_cuda(x, block_size, stochastic, seed, /*packs_int4=*/true);
+}
+
+at::Tensor dequantize_int8_cuda(const at::Tensor& codes, const at::Tensor& scales,
+                                int64_t block_size, at::ScalarType out_dtype) {
+  check_dequantize_int8_args(codes, scales, block_size, out_dtype);
+  at::Tensor out = at::empty({codes.numel()}, codes.options().dtype(out_dtype));
+  if (codes.numel() == 0) return out;
+  const c10::cuda::CUDAGuard guard(codes.device());
+  const at::Tensor code_data = codes.contiguous();
+  const at::Tensor scale_data = scales.contiguous();
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  LZ_DISPATCH_FLOAT_TYPES(out_dtype, "lazyzero::dequantize_int8", [&] {
+    dequantize_int8_kernel<scalar_t><<<ctas_for(codes.numel()), kThreadsPerCta, 0, stream>>>(
+        code_data.const_data_ptr<int8_t>(), scale_data.const_data_ptr<float>(), codes.numel(),
+        block_size, out.mutable_data_ptr<scalar_t>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+  return out;
+}
+
+at::Tensor dequantize_int4_cuda(const at::Tensor& packed, const at::Tensor& scales, int64_t numel,
+                                int64_t block_size, at::ScalarType out_dtype) {
+  check_dequantize_int4_args(packed, scales, numel, block_size, out_dtype);
+  at::Tensor out = at::empty({numel}, packed.options().dtype(out_dtype));
+  if (numel == 0) return out;
+  const c10::cuda::CUDAGuard guard(packed.device());
+  const at::Tensor packed_data = packed.contiguous();
+  const at::Tensor scale_data = scales.contiguous();
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  LZ_DISPATCH_FLOAT_TYPES(out_dtype, "lazyzero::dequantize_int4", [&] {
+    dequantize_int4_kernel<scalar_t><<<ctas_for(numel), kThreadsPerCta, 0, stream>>>(
+        packed_data.const_data_ptr<uint8_t>(), scale_data.const_data_ptr<float>(), numel,
+        block_size, out.mutable_data_ptr<scalar_t>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+  return out;
+}
+
+void dequantize_sum_int8_into_cuda(const at::Tensor& codes, const at::Tensor& scales,
+                                   int64_t block_size, double alpha, const at::Tensor& out) {
+  check_dequantize_sum_args(codes, scales, block_size);
+  check_sum_destination(out, codes);
+  const int64_t n = codes.size(1);
+  if (n == 0) return;
+  const c10::cuda::CUDAGuard guard(codes.device());
+  const at::Tensor code_data = codes.contiguous();
+  const at::Tensor scale_data = scales.contiguous();
+  dequantize_sum_kernel<<<ctas_for(n), kThreadsPerCta, 0, c10::cuda::getCurrentCUDAStream()>>>(
+      code_data.const_data_ptr<int8_t>(), scale_data.const_data_ptr<float>(), codes.size(0), n,
+      block_size, static_cast<float>(alpha), out.mutable_data_ptr<float>());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+at::Tensor dequantize_sum_int8_cuda(const at::Tensor& codes, const at::Tensor& scales,
+                                    int64_t block_size, double alpha) {
+  check_dequantize_sum_args(codes, scales, block_size);
+  at::Tensor out = at::empty({codes.size(1)}, codes.options().dtype(at::kFloat));
+  dequantize_sum_int8_into_cuda(codes, scales, block_size, alpha, out);
+  return out;
+}
+
+}  // namespace
+}  // namespace lazyzero::quant
+
+TORCH_LIBRARY_IMPL(lazyzero, CUDA, m) {
+  using namespace lazyzero::quant;
+  m.impl("quantize_int8", &quantize_int8_cuda);
+  m.impl("quantize_int4", &quantize_int4_cuda);
+  m.impl("dequantize_int8", &dequantize_int8_cuda);
+  m.impl("dequantize_int4", &dequantize_int4_cuda);
+  m.impl("dequantize_sum_int8", &dequantize_sum_int8_cuda);
+  m.impl("dequantize_sum_int8_into", &dequantize_sum_int8_into_cuda);
+}

@@ -1,0 +1,15 @@
+// CPU kernels of every lazyzero op, attached to the schemas defined in Python (lazyzero/ops/*.py).
+// CUDA kernels register themselves in their own .cu files, which are built only where CUDA exists.
+#include <torch/library.h>
+
+#include "quant/quant_cpu.h"
+
+TORCH_LIBRARY_IMPL(lazyzero, CPU, m) {
+  using namespace lazyzero::quant;
+  m.impl("quantize_int8", &quantize_int8_cpu);
+  m.impl("quantize_int4", &quantize_int4_cpu);
+  m.impl("dequantize_int8", &dequantize_int8_cpu);
+  m.impl("dequantize_int4", &dequantize_int4_cpu);
+  m.impl("dequantize_sum_int8", &dequantize_sum_int8_cpu);
+  m.impl("dequantize_sum_int8_into", &dequantize_sum_int8_into_cpu);
+}

@@ -1,0 +1,95 @@
+"""`lazyzero` command line: `train`, `config check|reference`, `ops build|status`.
+
+Later capabilities (plan, ckpt, profile) add their own sub-commands here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _config_check(args: argparse.Namespace) -> int:
+    from lazyzero.config import LazyZeroConfigError, check_config_file, format_config_summary
+
+    status = 0
+    for path in args.files:
+        try:
+            cfg = check_config_file(path, world_size=args.world_size)
+        except LazyZeroConfigError as err:
+            print(f"{path}: INVALID\n{err}", file=sys.stderr)
+            status = 2
+            continue
+        print(f"{path}: OK\n{format_config_summary(cfg)}")
+    return status
+
+
+def _config_reference(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from lazyzero.config import config_reference_markdown
+    from lazyzero.docs import replace_marked_block
+
+    reference = config_reference_markdown()
+    if args.write_readme is None:
+        print(reference, end="")
+        return 0
+    readme = Path(args.write_readme)
+    readme.write_text(replace_marked_block(readme.read_text(), "config-reference", reference))
+    print(f"updated the config reference in {readme}")
+    return 0
+
+
+def _ops_build(args: argparse.Namespace) -> int:
+    from lazyzero.ops import build
+
+    statuses = build.build(verbose=not args.quiet)
+    print(build.format_status(statuses))
+    return 0 if any(s.available for s in statuses) else 1
+
+
+def _ops_status(args: argparse.Namespace) -> int:
+    from lazyzero.ops import build
+
+    print(build.format_status(build.status()))
+    return 0
+
+
+def _train(args: argparse.Namespace, rest: list[str]) -> int:
+    from lazyzero.train import main as train_main
+
+    return train_main(rest)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="lazyzero", description="DeepSpeed ZeRO, planned, quantized and checkpointed lazily.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("train", help="train a model (all arguments go to python -m lazyzero.train; see --help)", add_help=False)
+
+    config = sub.add_parser("config", help="validate configs or print the config reference").add_subparsers(dest="action", required=True)
+    check = config.add_parser("check", help="validate DeepSpeed JSON files with a \"lazyzero\" section")
+    check.add_argument("files", nargs="+")
+    check.add_argument("--world-size", type=int, default=None, help="also check settings that depend on the number of ranks")
+    check.set_defaults(func=_config_check)
+    reference = config.add_parser("reference", help="print the \"lazyzero\" config reference (Markdown)")
+    reference.add_argument("--write-readme", metavar="README", default=None, help="replace the reference block in this file instead")
+    reference.set_defaults(func=_config_reference)
+
+    ops = sub.add_parser("ops", help="build or inspect the native ops").add_subparsers(dest="action", required=True)
+    ops_build = ops.add_parser("build", help="compile the C++ (and, with a GPU, CUDA) kernels now")
+    ops_build.add_argument("--quiet", action="store_true")
+    ops_build.set_defaults(func=_ops_build)
+    ops.add_parser("status", help="which backends are built, and if not, why").set_defaults(func=_ops_status)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["train"]:
+        return _train(argparse.Namespace(), argv[1:])
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

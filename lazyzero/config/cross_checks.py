@@ -1,0 +1,135 @@
+"""Checks of the "lazyzero" section against the DeepSpeed settings around it, and of those settings
+that lazyzero relies on. Read-only: they look at the file system but never create anything
+(RELIABILITY promise 6 and row 11).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Optional
+
+from lazyzero.config.errors import Problem
+from lazyzero.config.models import LazyZeroConfig
+
+WRITABLE_DIRECTORY = "an existing directory this process can write to"
+ZERO_STAGES = (0, 1, 2, 3)
+# DeepSpeed compares optimizer names lowercased (deepspeed/runtime/config.py).
+ADAM_FAMILY = ("adam", "adamw")
+OFFLOAD_SECTIONS = ("offload_param", "offload_optimizer")
+
+
+def deepspeed_settings_problems(ds_config: dict) -> list[Problem]:
+    """ZeRO stage and offload settings that lazyzero builds on."""
+    zero = ds_config.get("zero_optimization")
+    if zero is None or isinstance(zero, bool):
+        # DeepSpeed's legacy form `"zero_optimization": true` means stage 1 with no offload.
+        return []
+    if not isinstance(zero, dict):
+        return [Problem.bad_value("zero_optimization", zero, "an object, or true/false (DeepSpeed's legacy form)")]
+    stage = zero.get("stage", 0)
+    if type(stage) is not int or stage not in ZERO_STAGES:
+        return [Problem.bad_value("zero_optimization.stage", stage, "one of 0, 1, 2, 3")]
+    problems = _parameter_offload_conflicts(zero.get("offload_param"), stage)
+    for name in OFFLOAD_SECTIONS:
+        problems += _offload_problems(f"zero_optimization.{name}", zero.get(name))
+    return problems
+
+
+def lazyzero_against_deepspeed_problems(config: LazyZeroConfig, ds_config: dict,
+                                        world_size: Optional[int]) -> list[Problem]:
+    """Options of the "lazyzero" section that contradict DeepSpeed's, or this machine."""
+    problems = []
+    if config.plan.nvme_path is not None:
+        problems += _directory_problems("lazyzero.plan.nvme_path", config.plan.nvme_path)
+    problems += _optimizer_conflicts(config, ds_config)
+    problems += _gradient_conflicts(config, ds_config, world_size)
+    problems += _activation_conflicts(config, ds_config)
+    problems += _checkpoint_conflicts(config, ds_config)
+    return problems
+
+
+def _parameter_offload_conflicts(offload: Any, stage: int) -> list[Problem]:
+    if not isinstance(offload, dict) or offload.get("device", "none") == "none" or stage == 3:
+        return []
+    return [Problem.conflict(
+        "zero_optimization.offload_param.device", offload["device"], "'none' unless zero_optimization.stage is 3",
+        f"zero_optimization.stage is {stage}, and DeepSpeed offloads parameters only in stage 3; "
+        "it would silently keep them on the device")]
+
+
+def _offload_problems(path: str, offload: Any) -> list[Problem]:
+    if offload is None:
+        return []
+    if not isinstance(offload, dict):
+        return [Problem.bad_value(path, offload, "an object, or null")]
+    if offload.get("device", "none") != "nvme":
+        return []
+    if offload.get("nvme_path") is None:
+        return [Problem.missing(f"{path}.nvme_path", f"{WRITABLE_DIRECTORY} when {path}.device is 'nvme'")]
+    return _directory_problems(f"{path}.nvme_path", offload["nvme_path"])
+
+
+def _directory_problems(path: str, directory: Any) -> list[Problem]:
+    """Empty if `directory` exists, is a directory and is writable; checked without creating anything."""
+    if not isinstance(directory, str) or not directory:
+        return [Problem.bad_value(path, directory, WRITABLE_DIRECTORY)]
+    if not os.path.exists(directory):
+        reason = "it does not exist; lazyzero does not create it"
+    elif not os.path.isdir(directory):
+        reason = "it is not a directory"
+    elif not os.access(directory, os.W_OK | os.X_OK):
+        reason = "this process may not write to it"
+    else:
+        return []
+    return [Problem.bad_value(path, directory, f"{WRITABLE_DIRECTORY} ({reason})")]
+
+
+def _optimizer_conflicts(config: LazyZeroConfig, ds_config: dict) -> list[Problem]:
+    ds_optimizer = ds_config.get("optimizer")
+    if config.optimizer.type == "none" or not isinstance(ds_optimizer, dict) or "type" not in ds_optimizer:
+        # Without an "optimizer" section the optimizer comes from code; the engine checks it there.
+        return []
+    ds_type = ds_optimizer["type"]
+    if isinstance(ds_type, str) and ds_type.lower() in ADAM_FAMILY:
+        return []
+    return [Problem.conflict(
+        "lazyzero.optimizer.type", config.optimizer.type, "'none' unless optimizer.type is Adam or AdamW",
+        f"optimizer.type is {ds_type!r}; the 8-bit optimizers replace Adam or AdamW and take their hyper-parameters")]
+
+
+def _gradient_conflicts(config: LazyZeroConfig, ds_config: dict, world_size: Optional[int]) -> list[Problem]:
+    problems = []
+    zero = ds_config.get("zero_optimization")
+    if config.gradients.quantize != "none" and isinstance(zero, dict) and zero.get("zero_quantized_gradients") is True:
+        problems.append(Problem.conflict(
+            "lazyzero.gradients.quantize", config.gradients.quantize, "'none' while zero_optimization.zero_quantized_gradients is true",
+            "ZeRO++ qgZ would quantize the same gradients a second time"))
+    ranks_per_node = config.gradients.ranks_per_node
+    if ranks_per_node is not None and world_size is not None and world_size % ranks_per_node:
+        problems.append(Problem.bad_value(
+            "lazyzero.gradients.ranks_per_node", ranks_per_node,
+            f"a divisor of the world size {world_size} (the two-hop layout needs whole nodes)"))
+    return problems
+
+
+def _activation_conflicts(config: LazyZeroConfig, ds_config: dict) -> list[Problem]:
+    checkpointing = ds_config.get("activation_checkpointing")
+    if not config.activations.enabled or not isinstance(checkpointing, dict):
+        return []
+    if checkpointing.get("cpu_checkpointing") is not True:
+        return []
+    return [Problem.conflict(
+        "activation_checkpointing.cpu_checkpointing", True, "false while lazyzero.activations.enabled is true",
+        "lazyzero's hooks already decide where saved activations live, and DeepSpeed's CPU "
+        "checkpointing breaks backward on the CPU accelerator")]
+
+
+def _checkpoint_conflicts(config: LazyZeroConfig, ds_config: dict) -> list[Problem]:
+    ds_checkpoint = ds_config.get("checkpoint")
+    if config.checkpoint.mode != "lazy" or not isinstance(ds_checkpoint, dict):
+        return []
+    if ds_checkpoint.get("writer") is None:
+        return []
+    return [Problem.conflict(
+        "checkpoint.writer", ds_checkpoint["writer"], "absent while lazyzero.checkpoint.mode is 'lazy'",
+        "lazyzero installs its own checkpoint engine, so DeepSpeed's writer settings would be ignored")]

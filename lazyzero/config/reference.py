@@ -1,0 +1,55 @@
+"""Human-readable renderings of the config: the Markdown reference (embedded in the README) and a
+short summary of which features a validated config switches on.
+
+Both are generated from the models, so the documentation cannot drift from the code; the output
+is deterministic (fields in declaration order, no timestamps) so that a test can compare it.
+"""
+
+from __future__ import annotations
+
+import json
+
+from pydantic import BaseModel
+
+from lazyzero import __version__
+from lazyzero.config.errors import render_value
+from lazyzero.config.fieldtypes import describe_allowed
+from lazyzero.config.models import FEATURE_SWITCHES, LazyZeroConfig, is_switched_on
+from lazyzero.config.release import NOT_YET_AVAILABLE
+
+
+def config_reference_markdown() -> str:
+    """One Markdown table per sub-section: key, allowed values, default, description."""
+    sections = [_section_markdown(name, field.annotation) for name, field in LazyZeroConfig.model_fields.items()]
+    return "\n\n".join(sections) + "\n"
+
+
+def format_config_summary(config: LazyZeroConfig) -> str:
+    """A few lines: which capabilities are on, and the value of the option that switches each."""
+    features = config.enabled_features()
+    lines = [f"lazyzero {__version__}: features on: {', '.join(features) if features else 'none'}"]
+    width = max(len(section) for section in FEATURE_SWITCHES)
+    for section, switch in FEATURE_SWITCHES.items():
+        state = "on " if is_switched_on(config, section, switch) else "off"
+        value = getattr(getattr(config, section), switch)
+        lines.append(f"  {section:<{width}}  {state}  ({switch} = {render_value(value)})")
+    return "\n".join(lines)
+
+
+def _section_markdown(name: str, model: type[BaseModel]) -> str:
+    lines = [f"### `lazyzero.{name}`", "", _one_line(model.__doc__ or "")]
+    for key_path, (value_allowed_now, issue) in NOT_YET_AVAILABLE.items():
+        section, switch = key_path.split(".")
+        if section == name:
+            lines += ["", f"Not available in lazyzero {__version__} yet (issue {issue}): "
+                          f"`{switch}` must stay `{json.dumps(value_allowed_now)}`."]
+    lines += ["", "| key | allowed values | default | description |", "|---|---|---|---|"]
+    for field_name, field in model.model_fields.items():
+        cells = [f"`{field_name}`", describe_allowed(field.annotation, tuple(field.metadata)),
+                 f"`{json.dumps(field.get_default(call_default_factory=True))}`", _one_line(field.description or "")]
+        lines.append("| " + " | ".join(cell.replace("|", "\\|") for cell in cells) + " |")
+    return "\n".join(lines)
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split())

@@ -1,0 +1,34 @@
+"""The release gate: capabilities whose config exists but whose runtime has not landed yet.
+
+Switching one on is rejected rather than silently ignored. Each row names the issue that brings
+the capability; that issue deletes its row.
+"""
+
+from __future__ import annotations
+
+from lazyzero import __version__
+from lazyzero.config.errors import Problem, render_value
+from lazyzero.config.models import LazyZeroConfig
+
+# key path inside the "lazyzero" section -> (the only value allowed for now, issue that implements it)
+NOT_YET_AVAILABLE = {
+    "plan.enabled": (False, 7),
+    "gradients.quantize": ("none", 3),
+    "activations.enabled": (False, 6),
+    "optimizer.type": ("none", 5),
+    "checkpoint.mode": ("deepspeed", 4),
+}
+
+
+def release_gate_problems(config: LazyZeroConfig) -> list[Problem]:
+    """One problem per capability switched on before its runtime exists."""
+    problems = []
+    for key_path, (value_allowed_now, issue) in NOT_YET_AVAILABLE.items():
+        section, field = key_path.split(".")
+        value = getattr(getattr(config, section), field)
+        if value != value_allowed_now:
+            problems.append(Problem(
+                f"lazyzero.{key_path}",
+                f"got {render_value(value)}; not available in lazyzero {__version__} yet (issue {issue}); "
+                f"allowed now: {render_value(value_allowed_now)}"))
+    return problems

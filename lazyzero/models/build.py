@@ -1,0 +1,40 @@
+"""Build randomly initialized (or locally saved) causal LMs from `model_config` specs."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from transformers import AutoModelForCausalLM, PreTrainedModel
+
+from lazyzero.models.config import checkpoint_weights_folder, model_config
+
+# SDPA: deterministic on CPU, the default fast path on GPU, and it needs no extra package.
+ATTENTION_IMPLEMENTATION = "sdpa"
+
+
+def build_model(
+    spec: str,
+    family: str | None = None,
+    vocab_size: int | None = None,
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+    max_positions: int | None = None,
+    meta: bool = False,
+) -> PreTrainedModel:
+    """A causal LM for `spec` (see `model_config`).
+
+    Presets and config files get a fresh initialization drawn from `seed` (the global RNG state is
+    left untouched). A checkpoint folder with weights is loaded with from_pretrained, from the local
+    disk only. `meta=True` builds on the meta device: shapes without memory, for planning.
+    """
+    config = model_config(spec, family=family, vocab_size=vocab_size, max_positions=max_positions)
+    folder = checkpoint_weights_folder(spec)
+    if folder is not None and not meta:
+        return AutoModelForCausalLM.from_pretrained(
+            str(folder), config=config, local_files_only=True, dtype=dtype, attn_implementation=ATTENTION_IMPLEMENTATION
+        )
+    device = torch.device("meta") if meta else contextlib.nullcontext()
+    with torch.random.fork_rng(devices=[]), device:
+        torch.manual_seed(seed)
+        return AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=ATTENTION_IMPLEMENTATION)

@@ -1,0 +1,206 @@
+"""Block-wise int8 / int4 quantization: op schemas, fake kernels and the Python API.
+
+The schemas below are defined once, in namespace `lazyzero`. Their CPU kernels come from C++
+(csrc/quant/quant_cpu.cpp) and CUDA kernels from csrc/quant/quant_cuda.cu, both attached when
+`lazyzero.ops.build` loads the native libraries on first use. The exact numerics, including zero
+and NaN/Inf blocks, int4 nibble order and the stochastic-rounding hash, are specified by
+`lazyzero.ops.quant_reference`, which every kernel matches bit for bit.
+
+Call the wrappers (`quantize_blockwise`, `dequantize_blockwise`, `dequantize_sum_int8`): they check
+arguments, load the native kernels lazily and, on a CPU-only machine where they cannot be built,
+run the reference instead (after one logged warning).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from lazyzero.ops import quant_reference
+from lazyzero.ops.build import ensure_native
+
+SUPPORTED_BITS = (4, 8)
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+DEFAULT_BLOCK_SIZE = 256
+
+_SCHEMAS = {
+    "quantize_int8": (
+        "(Tensor x, int block_size, bool stochastic, int seed) -> (Tensor codes, Tensor scales)"
+    ),
+    "quantize_int4": (
+        "(Tensor x, int block_size, bool stochastic, int seed) -> (Tensor packed, Tensor scales)"
+    ),
+    "dequantize_int8": "(Tensor codes, Tensor scales, int block_size, ScalarType out_dtype) -> Tensor",
+    "dequantize_int4": (
+        "(Tensor packed, Tensor scales, int numel, int block_size, ScalarType out_dtype) -> Tensor"
+    ),
+    "dequantize_sum_int8": "(Tensor codes, Tensor scales, int block_size, float alpha) -> Tensor",
+    "dequantize_sum_int8_into": (
+        "(Tensor codes, Tensor scales, int block_size, float alpha, Tensor(a!) out) -> ()"
+    ),
+}
+
+for _name, _schema in _SCHEMAS.items():
+    torch.library.define(f"lazyzero::{_name}", _schema)
+
+
+def _num_blocks(numel, block_size: int):
+    return (numel + block_size - 1) // block_size
+
+
+@torch.library.register_fake("lazyzero::quantize_int8")
+def _quantize_int8_fake(x, block_size, stochastic, seed):
+    n = x.numel()
+    return x.new_empty((n,), dtype=torch.int8), x.new_empty(
+        (_num_blocks(n, block_size),), dtype=torch.float32
+    )
+
+
+@torch.library.register_fake("lazyzero::quantize_int4")
+def _quantize_int4_fake(x, block_size, stochastic, seed):
+    n = x.numel()
+    return x.new_empty(((n + 1) // 2,), dtype=torch.uint8), x.new_empty(
+        (_num_blocks(n, block_size),), dtype=torch.float32
+    )
+
+
+@torch.library.register_fake("lazyzero::dequantize_int8")
+def _dequantize_int8_fake(codes, scales, block_size, out_dtype):
+    return codes.new_empty((codes.numel(),), dtype=out_dtype)
+
+
+@torch.library.register_fake("lazyzero::dequantize_int4")
+def _dequantize_int4_fake(packed, scales, numel, block_size, out_dtype):
+    return packed.new_empty((numel,), dtype=out_dtype)
+
+
+@torch.library.register_fake("lazyzero::dequantize_sum_int8")
+def _dequantize_sum_int8_fake(codes, scales, block_size, alpha):
+    return codes.new_empty((codes.shape[1],), dtype=torch.float32)
+
+
+@torch.library.register_fake("lazyzero::dequantize_sum_int8_into")
+def _dequantize_sum_int8_into_fake(codes, scales, block_size, alpha, out):
+    return None
+
+
+def _run(op_name: str, device: torch.device, *args):
+    """The native op when its kernels are loaded for `device`, else the reference (CPU only)."""
+    if device.type == "meta" or ensure_native(device.type):
+        return getattr(torch.ops.lazyzero, op_name)(*args)
+    return getattr(quant_reference, op_name)(*args)
+
+
+@dataclass(frozen=True)
+class BlockQuantized:
+    """A tensor quantized block-wise by `quantize_blockwise`, with what it takes to restore it."""
+
+    codes: torch.Tensor
+    """int8 [n] for bits=8; uint8 [ceil(n/2)] of packed int4 codes for bits=4."""
+    scales: torch.Tensor
+    """fp32 [ceil(n / block_size)]: absmax / qmax per block (NaN / +Inf for non-finite blocks)."""
+    bits: int
+    block_size: int
+    shape: torch.Size
+    """Shape of the original tensor."""
+    dtype: torch.dtype
+    """dtype of the original tensor, restored by default on dequantization."""
+
+    @property
+    def numel(self) -> int:
+        return self.shape.numel()
+
+
+def _check_block_size(bits: int, block_size: int) -> None:
+    if bits not in SUPPORTED_BITS:
+        raise ValueError(f"bits must be one of {SUPPORTED_BITS}, got {bits!r}")
+    if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size <= 0:
+        raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+    if bits == 4 and block_size % 2:
+        raise ValueError(
+            f"block_size must be even for 4-bit codes (two codes share a byte), got {block_size}"
+        )
+
+
+def _check_float_dtype(dtype: torch.dtype, what: str) -> None:
+    if dtype not in SUPPORTED_DTYPES:
+        names = ", ".join(str(d) for d in SUPPORTED_DTYPES)
+        raise TypeError(f"{what} must be one of {names}, got {dtype}")
+
+
+def quantize_blockwise(
+    x: torch.Tensor,
+    bits: int = 8,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+    stochastic: bool = False,
+    seed: int = 0,
+) -> BlockQuantized:
+    """Quantize `x` (any shape, fp32/bf16/fp16) to symmetric `bits`-bit codes with fp32 scales.
+
+    Blocks are `block_size` consecutive elements of the flattened tensor. Round to nearest (ties to
+    even) unless `stochastic`, in which case rounding is unbiased and reproducible: it depends only
+    on `seed` and each element's index, identically on every backend.
+    """
+    _check_block_size(bits, block_size)
+    _check_float_dtype(x.dtype, "x.dtype")
+    if not -(2**63) <= seed < 2**63:
+        raise ValueError(f"seed must fit in int64, got {seed}")
+    op_name = "quantize_int8" if bits == 8 else "quantize_int4"
+    codes, scales = _run(op_name, x.device, x, block_size, stochastic, seed)
+    return BlockQuantized(codes, scales, bits, block_size, x.shape, x.dtype)
+
+
+def dequantize_blockwise(q: BlockQuantized, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Restore a `BlockQuantized` to its shape, in `dtype` (default: its original dtype)."""
+    out_dtype = q.dtype if dtype is None else dtype
+    _check_float_dtype(out_dtype, "dtype")
+    _check_block_size(q.bits, q.block_size)
+    if q.bits == 8:
+        flat = _run("dequantize_int8", q.codes.device, q.codes, q.scales, q.block_size, out_dtype)
+    else:
+        flat = _run(
+            "dequantize_int4", q.codes.device, q.codes, q.scales, q.numel, q.block_size, out_dtype
+        )
+    return flat.view(q.shape)
+
+
+def _check_sum_args(codes: torch.Tensor, scales: torch.Tensor, block_size: int) -> None:
+    _check_block_size(8, block_size)
+    if codes.dtype != torch.int8 or codes.dim() != 2:
+        raise ValueError(f"codes must be int8 [K, n], got {codes.dtype} {list(codes.shape)}")
+    expected = [codes.shape[0], _num_blocks(codes.shape[1], block_size)]
+    if scales.dtype != torch.float32 or list(scales.shape) != expected:
+        raise ValueError(
+            f"scales must be float32 {expected} for codes {list(codes.shape)} and block_size "
+            f"{block_size}, got {scales.dtype} {list(scales.shape)}"
+        )
+    if scales.device != codes.device:
+        raise ValueError(f"codes ({codes.device}) and scales ({scales.device}) differ in device")
+
+
+def dequantize_sum_int8(
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    block_size: int,
+    alpha: float = 1.0,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """alpha * sum_k dequantize(codes[k], scales[k]) as fp32 [n], accumulated in k order.
+
+    codes: int8 [K, n] (e.g. the K chunks received by an int8 all-to-all); scales: fp32
+    [K, ceil(n / block_size)]. Use alpha = 1 / world_size to average. With `out` (fp32, contiguous,
+    n elements) the result is written there and `out` is returned.
+    """
+    _check_sum_args(codes, scales, block_size)
+    if out is None:
+        return _run("dequantize_sum_int8", codes.device, codes, scales, block_size, float(alpha))
+    if out.dtype != torch.float32 or out.numel() != codes.shape[1] or not out.is_contiguous():
+        raise ValueError(
+            f"out must be a contiguous float32 tensor of {codes.shape[1]} elements, got "
+            f"{out.dtype} {list(out.shape)}"
+        )
+    if out.device != codes.device:
+        raise ValueError(f"out ({out.device}) and codes ({codes.device}) differ in device")
+    _run("dequantize_sum_int8_into", codes.device, codes, scales, block_size, float(alpha), out)
+    return out

@@ -1,0 +1,66 @@
+"""Tolerances and small helpers shared by the tests, in one table (STYLE.md: tests).
+
+Bit-exact comparisons use atol=0, rtol=0. Every looser tolerance below says why it is what it is.
+"""
+
+import torch
+
+EXACT = dict(atol=0.0, rtol=0.0)
+
+TOLERANCES = {
+    # Same algorithm, same fp32 operations in the same order: must agree bit for bit.
+    "native_vs_reference": EXACT,
+    # Plain DeepSpeed against lazyzero with every feature off: the same code runs, bit for bit.
+    "engine_features_off": EXACT,
+    # Block-wise round to nearest, |x - dequantize(quantize(x))| in units of the block's scale: half
+    # a code step, plus the fp32 roundings of x / scale and code * scale (each at most
+    # qmax * 2**-24 <= 2**-17 steps for qmax <= 127).
+    "quant_round_trip_steps": dict(atol=0.5 + 2**-16, rtol=0.0),
+}
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, kind: str) -> None:
+    """torch.testing.assert_close with the tolerance registered under `kind`."""
+    tol = TOLERANCES[kind]
+    torch.testing.assert_close(actual, expected, equal_nan=True, **tol)
+
+
+def free_port() -> int:
+    """A TCP port that is free right now on localhost, for a test's rendezvous."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def distributed_env(threads_per_rank: int = 1) -> dict:
+    """Environment for child ranks: one thread each so that two ranks share two cores fairly, and
+    Open MPI allowed to run as root (CI runs as root)."""
+    import os
+
+    env = dict(os.environ)
+    env.update(OMP_NUM_THREADS=str(threads_per_rank), OMPI_ALLOW_RUN_AS_ROOT="1",
+               OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
+    return env
+
+
+def launch_command(launcher: str, nprocs: int, argv: list[str]) -> list[str]:
+    """The command line that starts `argv` (a python script and its arguments) on `nprocs` local ranks."""
+    import sys
+
+    if launcher == "deepspeed":
+        return ["deepspeed", "--num_gpus", str(nprocs), "--master_port", str(free_port()), *argv]
+    if launcher == "mpirun":
+        return ["mpirun", "-n", str(nprocs), "--oversubscribe", "-x", "MASTER_PORT=" + str(free_port()),
+                sys.executable, *argv]
+    raise ValueError(f"launcher: got {launcher!r}; allowed: 'deepspeed', 'mpirun'")
+
+
+def run_distributed(launcher: str, nprocs: int, argv: list[str], timeout: float = 600, cwd=None):
+    """Run `argv` on `nprocs` real ranks and return the CompletedProcess (stdout and stderr merged)."""
+    import subprocess
+
+    cmd = launch_command(launcher, nprocs, argv)
+    return subprocess.run(cmd, env=distributed_env(), cwd=cwd, timeout=timeout, text=True,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT)

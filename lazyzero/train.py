@@ -1,0 +1,75 @@
+"""Training entry point: `python -m lazyzero.train --deepspeed_config ds_configs/X.json --model demo`.
+
+Runs under `deepspeed --num_gpus N` and `mpirun -n N`. Rank 0 shows a progress bar and appends one
+JSON line per step to OUTPUT_DIR/metrics.jsonl; at the end every rank takes part in the evaluation
+(exact-match accuracy by greedy decoding) and rank 0 writes OUTPUT_DIR/report.json and report.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from lazyzero.config import LazyZeroConfigError, load_ds_config_file, validate_ds_config
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="lazyzero train", description=__doc__.splitlines()[0])
+    p.add_argument("--deepspeed_config", "--config", dest="deepspeed_config", required=True,
+                   help="DeepSpeed JSON config (with an optional \"lazyzero\" section)")
+    p.add_argument("--model", default="demo", help="preset name (tiny, demo, 125m, 1b, 7b, 13b, 27b), a config.json or a local checkpoint folder")
+    p.add_argument("--family", default=None, choices=["llama", "qwen2", "mistral", "gpt2"], help="architecture for a preset (default llama)")
+    p.add_argument("--tokenizer", default=None, help="local tokenizer folder (default: byte-level, no download)")
+    p.add_argument("--data", default=None, help="local .txt or .jsonl training file (default: the shipped arithmetic problems)")
+    p.add_argument("--train-examples", type=int, default=20000, help="generated training problems")
+    p.add_argument("--eval-problems", type=int, default=64, help="generated eval problems for exact-match accuracy (0: no eval)")
+    p.add_argument("--eval-max-new-tokens", type=int, default=56, help="decoding steps per eval prompt (the default answers need about 45)")
+    p.add_argument("--seq-len", type=int, default=192)
+    p.add_argument("--max-steps", type=int, default=200, help="optimizer steps to run")
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--output-dir", default=None, help="metrics.jsonl, report.json and report.png go here (default runs/<config>-<model>)")
+    p.add_argument("--save-every", type=int, default=0, help="save a checkpoint every N steps (0: never)")
+    p.add_argument("--save-dir", default=None, help="checkpoint folder (required with --save-every or --resume)")
+    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --save-dir")
+    p.add_argument("--local_rank", "--local-rank", type=int, default=-1, help="set by the deepspeed launcher")
+    return p
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """Reject inconsistent arguments before anything is created."""
+    for name in ("max_steps", "seq_len", "train_examples"):
+        if getattr(args, name) < 1:
+            raise SystemExit(f"--{name.replace('_', '-')}: got {getattr(args, name)}; allowed: an integer >= 1")
+    if args.save_every < 0 or args.eval_problems < 0:
+        raise SystemExit("--save-every and --eval-problems must be >= 0")
+    if (args.save_every or args.resume) and not args.save_dir:
+        raise SystemExit("--save-every and --resume need --save-dir DIR")
+    if args.resume and not (Path(args.save_dir) / "latest").is_file():
+        raise SystemExit(f"--resume: no checkpoint in {args.save_dir} (no 'latest' file); run without --resume to start fresh")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    check_args(args)
+    try:
+        ds_config = load_ds_config_file(args.deepspeed_config)
+        validate_ds_config(ds_config)
+    except LazyZeroConfigError as err:
+        print(f"lazyzero: invalid config {args.deepspeed_config}:\n{err}", file=sys.stderr)
+        return 2
+    from lazyzero.runtime.trainer import Trainer
+
+    trainer = Trainer(args, ds_config)
+    try:
+        trainer.run()
+    finally:
+        trainer.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,50 @@
+"""Sample inputs shared by the quant op tests (CPU kernels, CUDA kernels, public API)."""
+
+from __future__ import annotations
+
+import torch
+
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+QUANTIZE_OPS = ("quantize_int8", "quantize_int4")
+
+
+def sizes_around(block_size: int) -> list[int]:
+    """Empty, one element, one block give or take one element, and a size that is a multiple of
+    no block size used in the tests."""
+    return [0, 1, block_size - 1, block_size, block_size + 1, 4097]
+
+
+def varied_magnitudes(n: int, dtype: torch.dtype = torch.float32, seed: int = 0) -> torch.Tensor:
+    """Normal values whose magnitude jumps by powers of ten every 64 elements, so that the scales
+    of neighbouring blocks differ by orders of magnitude (fp16-safe range: 1e-3 .. 1e3)."""
+    generator = torch.Generator().manual_seed(seed)
+    exponents = torch.randint(-3, 4, (n // 64 + 1,), generator=generator)
+    magnitude = (10.0**exponents).repeat_interleave(64)[:n]
+    return (torch.randn(n, generator=generator) * magnitude).to(dtype)
+
+
+def with_special_values(n: int, block_size: int, dtype: torch.dtype) -> torch.Tensor:
+    """Blocks of every kind: a NaN block (with an Inf too), a +Inf block, a -Inf block, an all-zero
+    block, a block of subnormal-scale values, and ordinary blocks after them (n >= 5 blocks)."""
+    x = varied_magnitudes(n, torch.float32, seed=1)
+    blocks = x[: n // block_size * block_size].view(-1, block_size)
+    blocks[0, 3] = float("nan")
+    blocks[0, 5] = float("inf")
+    blocks[1, 0] = float("inf")
+    blocks[2, -1] = float("-inf")
+    blocks[3] = 0.0
+    blocks[4] = torch.linspace(-1e-38, 1e-38, block_size)
+    return x.to(dtype)
+
+
+def dequantize_sum_inputs(
+    rows: int, n: int, block_size: int, seed: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random int8 codes [rows, n] and positive fp32 scales [rows, ceil(n / block_size)]."""
+    generator = torch.Generator().manual_seed(seed)
+    codes = torch.randint(-127, 128, (rows, n), generator=generator, dtype=torch.int8)
+    blocks = -(-n // block_size)
+    scales = torch.rand(rows, blocks, generator=generator) * 10.0 ** torch.randint(
+        -3, 3, (rows, blocks), generator=generator
+    )
+    return codes, scales

@@ -1,0 +1,184 @@
+"""C++ CPU kernels against the PyTorch reference: bit for bit on codes, scales and outputs."""
+
+import pytest
+import torch
+from quant_samples import (
+    DTYPES,
+    QUANTIZE_OPS,
+    dequantize_sum_inputs,
+    sizes_around,
+    varied_magnitudes,
+    with_special_values,
+)
+
+import lazyzero.ops.quant  # noqa: F401  (defines the torch.ops.lazyzero schemas)
+from lazyzero.ops import quant_reference
+from lazyzero.testing import assert_close
+
+pytestmark = pytest.mark.usefixtures("native_cpu")
+ops = torch.ops.lazyzero
+BLOCK_SIZES = (64, 256, 4096)
+SEED = 20240601
+
+
+def assert_quantize_matches_reference(op_name, x, block_size, stochastic, seed=SEED):
+    codes, scales = getattr(ops, op_name)(x, block_size, stochastic, seed)
+    ref_codes, ref_scales = getattr(quant_reference, op_name)(x, block_size, stochastic, seed)
+    assert codes.dtype == ref_codes.dtype and scales.dtype == torch.float32
+    assert_close(codes, ref_codes, "native_vs_reference")
+    assert_close(scales, ref_scales, "native_vs_reference")
+    return codes, scales
+
+
+@pytest.mark.parametrize("stochastic", [False, True], ids=["nearest", "stochastic"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("op_name", QUANTIZE_OPS)
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
+def test_quantize_matches_reference_around_block_edges(op_name, dtype, block_size, stochastic):
+    for n in sizes_around(block_size):
+        x = varied_magnitudes(n, dtype)
+        assert_quantize_matches_reference(op_name, x, block_size, stochastic)
+
+
+@pytest.mark.parametrize("stochastic", [False, True], ids=["nearest", "stochastic"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("op_name", QUANTIZE_OPS)
+def test_quantize_matches_reference_on_a_million_elements(op_name, dtype, stochastic):
+    x = varied_magnitudes(2**20, dtype, seed=3)
+    assert_quantize_matches_reference(op_name, x, 256, stochastic)
+
+
+def test_quantize_int8_matches_reference_with_odd_block_size():
+    assert_quantize_matches_reference("quantize_int8", varied_magnitudes(1000), 7, False)
+    assert_quantize_matches_reference("quantize_int8", varied_magnitudes(1000), 7, True)
+
+
+@pytest.mark.parametrize("stochastic", [False, True], ids=["nearest", "stochastic"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("op_name", QUANTIZE_OPS)
+def test_quantize_matches_reference_on_zero_nan_inf_blocks(op_name, dtype, stochastic):
+    x = with_special_values(8 * 64, 64, dtype)
+    codes, scales = assert_quantize_matches_reference(op_name, x, 64, stochastic)
+    assert scales[0].isnan() and scales[1] == float("inf") and scales[2] == float("inf")
+    assert scales[3] == 0
+
+
+def test_quantize_accepts_non_contiguous_input():
+    x = varied_magnitudes(4096).view(64, 64).t()
+    assert not x.is_contiguous()
+    assert_quantize_matches_reference("quantize_int8", x, 256, False)
+
+
+def test_stochastic_codes_depend_on_the_seed():
+    x = varied_magnitudes(4096)
+    first, _ = ops.quantize_int8(x, 256, True, 1)
+    second, _ = ops.quantize_int8(x, 256, True, 2)
+    again, _ = ops.quantize_int8(x, 256, True, 1)
+    assert torch.equal(first, again)
+    # About half the elements round the other way; 10% is far below that and far above chance.
+    assert (first != second).float().mean() > 0.1
+
+
+def dequantize_inputs(block_size: int) -> list[torch.Tensor]:
+    """Inputs around the block edges, and a large one with zero, NaN and Inf blocks."""
+    around = [varied_magnitudes(n) for n in sizes_around(block_size)]
+    return around + [with_special_values(2**20 + 1, block_size, torch.float32)]
+
+
+@pytest.mark.parametrize("out_dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("block_size", [64, 256])
+def test_dequantize_int8_matches_reference(block_size, out_dtype):
+    for x in dequantize_inputs(block_size):
+        codes, scales = ops.quantize_int8(x, block_size, False, 0)
+        expected = quant_reference.dequantize_int8(codes, scales, block_size, out_dtype)
+        actual = ops.dequantize_int8(codes, scales, block_size, out_dtype)
+        assert_close(actual, expected, "native_vs_reference")
+
+
+@pytest.mark.parametrize("out_dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("block_size", [64, 256])
+def test_dequantize_int4_matches_reference(block_size, out_dtype):
+    for x in dequantize_inputs(block_size):
+        packed, scales = ops.quantize_int4(x, block_size, False, 0)
+        expected = quant_reference.dequantize_int4(packed, scales, x.numel(), block_size, out_dtype)
+        actual = ops.dequantize_int4(packed, scales, x.numel(), block_size, out_dtype)
+        assert_close(actual, expected, "native_vs_reference")
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+def test_dequantize_sum_matches_reference(rows):
+    cases = [(0, 64, 1.0), (1, 64, 0.5), (4097, 256, 1 / 3), (2**18 + 5, 256, 0.25)]
+    for n, block_size, alpha in cases:
+        codes, scales = dequantize_sum_inputs(rows, n, block_size, seed=rows)
+        expected = quant_reference.dequantize_sum_int8(codes, scales, block_size, alpha)
+        actual = ops.dequantize_sum_int8(codes, scales, block_size, alpha)
+        assert_close(actual, expected, "native_vs_reference")
+        out = torch.full((n,), 7.0)
+        ops.dequantize_sum_int8_into(codes, scales, block_size, alpha, out)
+        assert_close(out, expected, "native_vs_reference")
+
+
+def test_dequantize_sum_propagates_non_finite_scales():
+    codes, scales = dequantize_sum_inputs(3, 300, 64)
+    scales[1, 0] = float("nan")
+    scales[2, 2] = float("inf")
+    codes[2, 128:192] = 0
+    result = ops.dequantize_sum_int8(codes, scales, 64, 1.0)
+    expected = quant_reference.dequantize_sum_int8(codes, scales, 64, 1.0)
+    assert_close(result, expected, "native_vs_reference")
+    assert result[:64].isnan().all()
+    assert not result[128:192].isfinite().any()
+    assert result[64:128].isfinite().all()
+
+
+INT8_CODES = torch.ones(8, dtype=torch.int8)
+BAD_CALLS = {
+    "odd-int4-block": (lambda: ops.quantize_int4(torch.ones(8), 3, False, 0), "must be even"),
+    "zero-block": (lambda: ops.quantize_int8(torch.ones(8), 0, False, 0), "must be positive"),
+    "double-input": (
+        lambda: ops.quantize_int8(torch.ones(8, dtype=torch.float64), 4, False, 0),
+        "float32, bfloat16 or float16",
+    ),
+    "scales-count": (
+        lambda: ops.dequantize_int8(INT8_CODES, torch.ones(3), 4, torch.float32),
+        "scales must have 2 elements",
+    ),
+    "packed-count": (
+        lambda: ops.dequantize_int4(INT8_CODES.view(torch.uint8), torch.ones(2), 9, 8, torch.float32),
+        "packed must have 5 elements",
+    ),
+    "sum-scales-shape": (
+        lambda: ops.dequantize_sum_int8(INT8_CODES.view(2, 4), torch.ones(2, 3), 4, 1.0),
+        r"scales must have shape \[2, 1\]",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", BAD_CALLS)
+def test_kernels_reject_bad_arguments(case):
+    call, message = BAD_CALLS[case]
+    with pytest.raises(RuntimeError, match=message):
+        call()
+
+
+def _opcheck_samples():
+    x = varied_magnitudes(1000, torch.bfloat16)
+    codes, scales = ops.quantize_int8(x, 64, False, 0)
+    packed, scales4 = ops.quantize_int4(x, 64, False, 0)
+    sum_codes, sum_scales = dequantize_sum_inputs(3, 1000, 64)
+    return [
+        ("quantize_int8", (x, 64, False, 0)),
+        ("quantize_int8", (x.float(), 64, True, 5)),
+        ("quantize_int4", (x, 64, True, 5)),
+        ("dequantize_int8", (codes, scales, 64, torch.float16)),
+        ("dequantize_int4", (packed, scales4, 1000, 64, torch.float32)),
+        ("dequantize_sum_int8", (sum_codes, sum_scales, 64, 0.5)),
+        ("dequantize_sum_int8_into", (sum_codes, sum_scales, 64, 0.5, torch.empty(1000))),
+    ]
+
+
+def test_opcheck_every_op():
+    samples = _opcheck_samples()
+    assert {name for name, _ in samples} == set(lazyzero.ops.quant._SCHEMAS)
+    for op_name, args in samples:
+        torch.library.opcheck(getattr(ops, op_name).default, args)

@@ -1,0 +1,64 @@
+"""Run 5 steps with plain deepspeed.initialize and with lazyzero.initialize (features off) per ZeRO
+stage, in one process per rank, and write the losses to OUT/rank{r}.json.
+
+Usage (under a launcher): equivalence_worker.py OUT STAGE [STAGE ...]
+"""
+
+import json
+import sys
+from pathlib import Path
+
+import deepspeed
+import torch
+
+import lazyzero
+from lazyzero.models import build_model
+
+STEPS = 5
+
+
+def ds_config(stage: int, with_section: bool) -> dict:
+    config = {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": 2,
+        "gradient_clipping": 1.0,
+        "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "weight_decay": 0.01}},
+        "zero_optimization": {"stage": stage, "reduce_bucket_size": 5000, "stage3_param_persistence_threshold": 0},
+        "steps_per_print": 10**9,
+    }
+    if with_section:
+        config["lazyzero"] = {"gradients": {"quantize": "none"}, "checkpoint": {"mode": "deepspeed"}}
+    return config
+
+
+def train_losses(init, stage: int, with_section: bool) -> list[float]:
+    model = build_model("tiny", seed=7, vocab_size=300)
+    engine, _, _, _ = init(model=model, model_parameters=model.parameters(), config=ds_config(stage, with_section))
+    generator = torch.Generator().manual_seed(100 + engine.global_rank)
+    losses = []
+    for _ in range(STEPS * engine.gradient_accumulation_steps()):
+        ids = torch.randint(0, 300, (2, 16), generator=generator)
+        loss = engine(input_ids=ids, labels=ids).loss
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    kind = type(engine).__name__
+    engine.destroy()
+    return kind, losses
+
+
+def main() -> None:
+    args = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]
+    out, stages = Path(args[0]), [int(s) for s in args[1:]]
+    result = {}
+    for stage in stages:
+        ds_kind, ds_losses = train_losses(deepspeed.initialize, stage, with_section=False)
+        lz_kind, lz_losses = train_losses(lazyzero.initialize, stage, with_section=True)
+        result[str(stage)] = {"deepspeed": ds_losses, "lazyzero": lz_losses, "engines": [ds_kind, lz_kind]}
+    rank = torch.distributed.get_rank()
+    (out / f"rank{rank}.json").write_text(json.dumps(result))
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -7,8 +7,10 @@
 TORCH_LIBRARY_IMPL(lazyzero, CPU, m) {
   using namespace lazyzero::quant;
   m.impl("quantize_int8", &quantize_int8_cpu);
+  m.impl("quantize_int8_into", &quantize_int8_into_cpu);
   m.impl("quantize_int4", &quantize_int4_cpu);
   m.impl("dequantize_int8", &dequantize_int8_cpu);
+  m.impl("dequantize_int8_into", &dequantize_int8_into_cpu);
   m.impl("dequantize_int4", &dequantize_int4_cpu);
   m.impl("dequantize_sum_int8", &dequantize_sum_int8_cpu);
   m.impl("dequantize_sum_int8_into", &dequantize_sum_int8_into_cpu);

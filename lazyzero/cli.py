@@ -45,7 +45,7 @@ def _ops_build(args: argparse.Namespace) -> int:
 
     statuses = build.build(verbose=not args.quiet)
     print(build.format_status(statuses))
-    return 0 if any(s.available for s in statuses) else 1
+    return 1 if any(s.state == "failed" for s in statuses) else 0
 
 
 def _ops_status(args: argparse.Namespace) -> int:

@@ -42,7 +42,23 @@ inline std::tuple<at::Tensor, at::Tensor> allocate_quantize_outputs(const at::Te
   return {codes, scales};
 }
 
-inline void check_scales(const at::Tensor& scales, const at::Tensor& codes, int64_t expected_numel) {
+// Caller-provided outputs of quantize_int8_into: codes int8 [n], scales fp32 [ceil(n/block_size)].
+inline void check_quantize_destinations(const at::Tensor& x, int64_t block_size,
+                                        const at::Tensor& codes, const at::Tensor& scales) {
+  check_block_size(block_size, false);
+  check_float_dtype(x.scalar_type(), "x");
+  check_dtype(codes, at::kChar, "codes");
+  check_numel(codes, x.numel(), "codes");
+  check_dtype(scales, at::kFloat, "scales");
+  check_numel(scales, num_blocks(x.numel(), block_size), "scales");
+  check_contiguous(codes, "codes");
+  check_contiguous(scales, "scales");
+  check_same_device(x, codes, "x", "codes");
+  check_same_device(x, scales, "x", "scales");
+}
+
+inline void check_scales(const at::Tensor& scales, const at::Tensor& codes,
+                         int64_t expected_numel) {
   check_dtype(scales, at::kFloat, "scales");
   check_numel(scales, expected_numel, "scales");
   check_same_device(codes, scales, "codes", "scales");
@@ -80,6 +96,13 @@ inline void check_dequantize_sum_args(const at::Tensor& codes, const at::Tensor&
   TORCH_CHECK(scales.size(0) == codes.size(0) && scales.size(1) == blocks_per_row,
               "scales must have shape [", codes.size(0), ", ", blocks_per_row, "], got ",
               scales.sizes());
+}
+
+inline void check_dequantize_destination(const at::Tensor& out, const at::Tensor& codes) {
+  check_float_dtype(out.scalar_type(), "out");
+  check_numel(out, codes.numel(), "out");
+  check_contiguous(out, "out");
+  check_same_device(codes, out, "codes", "out");
 }
 
 inline void check_sum_destination(const at::Tensor& out, const at::Tensor& codes) {

@@ -1,14 +1,14 @@
 // CPU kernels of block-wise int8/int4 quantization (spec: lazyzero/ops/quant_reference.py).
 //
-// Work is split over blocks with at::parallel_for (OpenMP in this build). Each block is read twice,
+// Work is split over blocks with OpenMP (lazyzero/parallel.h). Each block is read twice,
 // once for its absmax and once to quantize it, and stays in L1 in between, so the input streams
 // from memory once. Inner loops are plain counted loops over contiguous fp32 with branch-free
 // bodies so that gcc -O3 vectorizes them; per-block decisions (zero / non-finite) are made once,
 // outside those loops.
 #include "quant/quant_cpu.h"
 
-#include <ATen/Parallel.h>
 #include <lazyzero/dispatch.h>
+#include <lazyzero/parallel.h>
 #include <lazyzero/quant_math.h>
 
 #include <algorithm>
@@ -27,12 +27,6 @@ constexpr int64_t kElementsPerTask = 1 << 16;
 int64_t blocks_per_task(int64_t block_size) {
   return std::max<int64_t>(1, kElementsPerTask / block_size);
 }
-
-struct Rounding {
-  float qmax;
-  bool stochastic;
-  uint64_t key;  // stream_key(seed); unused when !stochastic
-};
 
 // One block as fp32: fp32 input is read in place, bf16/fp16 are widened into `scratch`.
 template <typename T>
@@ -115,7 +109,7 @@ void quantize_blocks(const at::Tensor& x, int64_t block_size, const Rounding& ro
   float* scale_data = scales.mutable_data_ptr<float>();
   void* out_data = out.data_ptr();
   const int64_t n = x.numel();
-  at::parallel_for(0, scales.numel(), blocks_per_task(block_size), [&](int64_t begin, int64_t end) {
+  parallel_for_tasks(scales.numel(), blocks_per_task(block_size), [&](int64_t begin, int64_t end) {
     std::vector<float> widened(std::is_same_v<T, float> ? 0 : block_size);
     std::vector<float> uniforms(rounding.stochastic ? block_size : 0);
     std::vector<int8_t> unpacked(kPackInt4 ? block_size : 0);
@@ -130,9 +124,9 @@ void quantize_blocks(const at::Tensor& x, int64_t block_size, const Rounding& ro
   });
 }
 
-std::tuple<at::Tensor, at::Tensor> quantize_cpu(const at::Tensor& x, int64_t block_size,
-                                                bool stochastic, int64_t seed, bool packs_int4) {
-  auto [codes, scales] = allocate_quantize_outputs(x, block_size, packs_int4);
+// Fills checked, contiguous `codes` and `scales`.
+void quantize_into(const at::Tensor& x, int64_t block_size, bool stochastic, int64_t seed,
+                   bool packs_int4, const at::Tensor& codes, const at::Tensor& scales) {
   const at::Tensor input = x.contiguous();
   const Rounding rounding{packs_int4 ? kInt4Max : kInt8Max, stochastic, stream_key(seed)};
   LZ_DISPATCH_FLOAT_TYPES(input.scalar_type(), "lazyzero::quantize", [&] {
@@ -142,19 +136,25 @@ std::tuple<at::Tensor, at::Tensor> quantize_cpu(const at::Tensor& x, int64_t blo
       quantize_blocks<scalar_t, false>(input, block_size, rounding, codes, scales);
     }
   });
+}
+
+std::tuple<at::Tensor, at::Tensor> quantize_cpu(const at::Tensor& x, int64_t block_size,
+                                                bool stochastic, int64_t seed, bool packs_int4) {
+  auto [codes, scales] = allocate_quantize_outputs(x, block_size, packs_int4);
+  quantize_into(x, block_size, stochastic, seed, packs_int4, codes, scales);
   return {codes, scales};
 }
 
-// Calls per_block(b, start, len) for every block of an n-element tensor, blocks spread over threads.
+// Calls per_block(b, start, len) for each block of an n-element tensor, blocks spread over threads.
 template <typename PerBlock>
 void parallel_for_blocks(int64_t n, int64_t block_size, const PerBlock& per_block) {
-  at::parallel_for(0, num_blocks(n, block_size), blocks_per_task(block_size),
-                   [&](int64_t begin, int64_t end) {
-                     for (int64_t b = begin; b < end; ++b) {
-                       const int64_t start = b * block_size;
-                       per_block(b, start, std::min(block_size, n - start));
-                     }
-                   });
+  parallel_for_tasks(num_blocks(n, block_size), blocks_per_task(block_size),
+                     [&](int64_t begin, int64_t end) {
+                       for (int64_t b = begin; b < end; ++b) {
+                         const int64_t start = b * block_size;
+                         per_block(b, start, std::min(block_size, n - start));
+                       }
+                     });
 }
 
 template <typename OutT>
@@ -206,20 +206,33 @@ std::tuple<at::Tensor, at::Tensor> quantize_int4_cpu(const at::Tensor& x, int64_
   return quantize_cpu(x, block_size, stochastic, seed, /*packs_int4=*/true);
 }
 
-at::Tensor dequantize_int8_cpu(const at::Tensor& codes, const at::Tensor& scales,
-                               int64_t block_size, at::ScalarType out_dtype) {
-  check_dequantize_int8_args(codes, scales, block_size, out_dtype);
+void quantize_int8_into_cpu(const at::Tensor& x, int64_t block_size, bool stochastic,
+                            int64_t seed, const at::Tensor& codes, const at::Tensor& scales) {
+  check_quantize_destinations(x, block_size, codes, scales);
+  quantize_into(x, block_size, stochastic, seed, /*packs_int4=*/false, codes, scales);
+}
+
+void dequantize_int8_into_cpu(const at::Tensor& codes, const at::Tensor& scales,
+                              int64_t block_size, const at::Tensor& out) {
+  check_dequantize_int8_args(codes, scales, block_size, out.scalar_type());
+  check_dequantize_destination(out, codes);
   const at::Tensor code_data = codes.contiguous();
   const at::Tensor scale_data = scales.contiguous();
-  at::Tensor out = at::empty({codes.numel()}, codes.options().dtype(out_dtype));
   const int8_t* code_ptr = code_data.const_data_ptr<int8_t>();
   const float* scale_ptr = scale_data.const_data_ptr<float>();
-  LZ_DISPATCH_FLOAT_TYPES(out_dtype, "lazyzero::dequantize_int8", [&] {
+  LZ_DISPATCH_FLOAT_TYPES(out.scalar_type(), "lazyzero::dequantize_int8", [&] {
     scalar_t* out_ptr = out.mutable_data_ptr<scalar_t>();
     parallel_for_blocks(codes.numel(), block_size, [&](int64_t b, int64_t start, int64_t len) {
       dequantize_int8_block(code_ptr + start, len, scale_ptr[b], out_ptr + start);
     });
   });
+}
+
+at::Tensor dequantize_int8_cpu(const at::Tensor& codes, const at::Tensor& scales,
+                               int64_t block_size, at::ScalarType out_dtype) {
+  check_dequantize_int8_args(codes, scales, block_size, out_dtype);
+  at::Tensor out = at::empty({codes.numel()}, codes.options().dtype(out_dtype));
+  dequantize_int8_into_cpu(codes, scales, block_size, out);
   return out;
 }
 

@@ -14,8 +14,14 @@ std::tuple<at::Tensor, at::Tensor> quantize_int8_cpu(const at::Tensor& x, int64_
 std::tuple<at::Tensor, at::Tensor> quantize_int4_cpu(const at::Tensor& x, int64_t block_size,
                                                      bool stochastic, int64_t seed);
 
+void quantize_int8_into_cpu(const at::Tensor& x, int64_t block_size, bool stochastic,
+                            int64_t seed, const at::Tensor& codes, const at::Tensor& scales);
+
 at::Tensor dequantize_int8_cpu(const at::Tensor& codes, const at::Tensor& scales,
                                int64_t block_size, at::ScalarType out_dtype);
+
+void dequantize_int8_into_cpu(const at::Tensor& codes, const at::Tensor& scales,
+                              int64_t block_size, const at::Tensor& out);
 
 at::Tensor dequantize_int4_cpu(const at::Tensor& packed, const at::Tensor& scales, int64_t numel,
                                int64_t block_size, at::ScalarType out_dtype);

@@ -30,11 +30,13 @@ int64_t ctas_for(int64_t threads_wanted) {
   return std::clamp<int64_t>((threads_wanted + kThreadsPerCta - 1) / kThreadsPerCta, 1, kMaxCtas);
 }
 
-struct Rounding {
-  float qmax;
-  bool stochastic;
-  uint64_t key;  // stream_key(seed); unused when !stochastic
-};
+__device__ __forceinline__ int64_t global_thread_index() {
+  return blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+}
+
+__device__ __forceinline__ int64_t grid_threads() {
+  return gridDim.x * static_cast<int64_t>(blockDim.x);
+}
 
 __device__ __forceinline__ uint32_t warp_max(uint32_t value) {
   for (int offset = kWarpSize / 2; offset > 0; offset /= 2) {
@@ -72,9 +74,8 @@ template <typename T, bool kPackInt4>
 __global__ void quantize_kernel(const T* x, int64_t n, int64_t block_size, int64_t nblocks,
                                 Rounding rounding, void* out, float* scales) {
   const int lane = threadIdx.x % kWarpSize;
-  const int64_t first_warp = (blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x) / kWarpSize;
-  const int64_t warps = gridDim.x * static_cast<int64_t>(blockDim.x) / kWarpSize;
-  for (int64_t b = first_warp; b < nblocks; b += warps) {
+  const int64_t warps = grid_threads() / kWarpSize;
+  for (int64_t b = global_thread_index() / kWarpSize; b < nblocks; b += warps) {
     const int64_t start = b * block_size;
     const int64_t len = n - start < block_size ? n - start : block_size;
     const T* block = x + start;
@@ -85,11 +86,13 @@ __global__ void quantize_kernel(const T* x, int64_t n, int64_t block_size, int64
       uint8_t* packed = static_cast<uint8_t*>(out) + start / 2;
       for (int64_t j = lane; j < (len + 1) / 2; j += kWarpSize) {
         const int64_t i = 2 * j;
-        const int32_t low = element_code(static_cast<float>(block[i]), scale, kind, rounding, start + i);
-        const int32_t high =
-            i + 1 < len
-                ? element_code(static_cast<float>(block[i + 1]), scale, kind, rounding, start + i + 1)
-                : 0;
+        const float low_x = static_cast<float>(block[i]);
+        const int32_t low = element_code(low_x, scale, kind, rounding, start + i);
+        int32_t high = 0;
+        if (i + 1 < len) {
+          const float high_x = static_cast<float>(block[i + 1]);
+          high = element_code(high_x, scale, kind, rounding, start + i + 1);
+        }
         packed[j] = pack_nibbles(low, high);
       }
     } else {
@@ -105,8 +108,7 @@ __global__ void quantize_kernel(const T* x, int64_t n, int64_t block_size, int64
 template <typename OutT>
 __global__ void dequantize_int8_kernel(const int8_t* codes, const float* scales, int64_t n,
                                        int64_t block_size, OutT* out) {
-  const int64_t stride = gridDim.x * static_cast<int64_t>(blockDim.x);
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n; i += stride) {
+  for (int64_t i = global_thread_index(); i < n; i += grid_threads()) {
     out[i] = static_cast<OutT>(dequantize_code(codes[i], scales[i / block_size]));
   }
 }
@@ -114,8 +116,7 @@ __global__ void dequantize_int8_kernel(const int8_t* codes, const float* scales,
 template <typename OutT>
 __global__ void dequantize_int4_kernel(const uint8_t* packed, const float* scales, int64_t n,
                                        int64_t block_size, OutT* out) {
-  const int64_t stride = gridDim.x * static_cast<int64_t>(blockDim.x);
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n; i += stride) {
+  for (int64_t i = global_thread_index(); i < n; i += grid_threads()) {
     const uint8_t byte = packed[i / 2];
     const int32_t code = (i % 2 == 0) ? low_nibble_code(byte) : high_nibble_code(byte);
     out[i] = static_cast<OutT>(dequantize_code(code, scales[i / block_size]));
@@ -126,8 +127,7 @@ __global__ void dequantize_int4_kernel(const uint8_t* packed, const float* scale
 __global__ void dequantize_sum_kernel(const int8_t* codes, const float* scales, int64_t rows,
                                       int64_t n, int64_t block_size, float alpha, float* out) {
   const int64_t blocks_per_row = (n + block_size - 1) / block_size;
-  const int64_t stride = gridDim.x * static_cast<int64_t>(blockDim.x);
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n; i += stride) {
+  for (int64_t i = global_thread_index(); i < n; i += grid_threads()) {
     const int64_t block = i / block_size;
     float acc = 0.0f;
     for (int64_t k = 0; k < rows; ++k) {
@@ -137,23 +137,30 @@ __global__ void dequantize_sum_kernel(const int8_t* codes, const float* scales, 
   }
 }
 
-std::tuple<at::Tensor, at::Tensor> quantize_cuda(const at::Tensor& x, int64_t block_size,
-                                                 bool stochastic, int64_t seed, bool packs_int4) {
-  auto [codes, scales] = allocate_quantize_outputs(x, block_size, packs_int4);
+// Fills checked, contiguous `codes` and `scales`.
+void quantize_into(const at::Tensor& x, int64_t block_size, bool stochastic, int64_t seed,
+                   bool packs_int4, const at::Tensor& codes, const at::Tensor& scales) {
   const int64_t nblocks = scales.numel();
-  if (nblocks == 0) return {codes, scales};
+  if (nblocks == 0) return;
   const c10::cuda::CUDAGuard guard(x.device());
   const at::Tensor input = x.contiguous();
   const Rounding rounding{packs_int4 ? kInt4Max : kInt8Max, stochastic, stream_key(seed)};
   const int64_t ctas = ctas_for(nblocks * kWarpSize);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   LZ_DISPATCH_FLOAT_TYPES(input.scalar_type(), "lazyzero::quantize", [&] {
-    const auto kernel = packs_int4 ? quantize_kernel<scalar_t, true> : quantize_kernel<scalar_t, false>;
+    const auto kernel =
+        packs_int4 ? quantize_kernel<scalar_t, true> : quantize_kernel<scalar_t, false>;
     kernel<<<ctas, kThreadsPerCta, 0, stream>>>(input.const_data_ptr<scalar_t>(), input.numel(),
                                                 block_size, nblocks, rounding, codes.data_ptr(),
                                                 scales.mutable_data_ptr<float>());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
+}
+
+std::tuple<at::Tensor, at::Tensor> quantize_cuda(const at::Tensor& x, int64_t block_size,
+                                                 bool stochastic, int64_t seed, bool packs_int4) {
+  auto [codes, scales] = allocate_quantize_outputs(x, block_size, packs_int4);
+  quantize_into(x, block_size, stochastic, seed, packs_int4, codes, scales);
   return {codes, scales};
 }
 
@@ -167,21 +174,34 @@ std::tuple<at::Tensor, at::Tensor> quantize_int4_cuda(const at::Tensor& x, int64
   return quantize_cuda(x, block_size, stochastic, seed, /*packs_int4=*/true);
 }
 
-at::Tensor dequantize_int8_cuda(const at::Tensor& codes, const at::Tensor& scales,
-                                int64_t block_size, at::ScalarType out_dtype) {
-  check_dequantize_int8_args(codes, scales, block_size, out_dtype);
-  at::Tensor out = at::empty({codes.numel()}, codes.options().dtype(out_dtype));
-  if (codes.numel() == 0) return out;
+void quantize_int8_into_cuda(const at::Tensor& x, int64_t block_size, bool stochastic,
+                             int64_t seed, const at::Tensor& codes, const at::Tensor& scales) {
+  check_quantize_destinations(x, block_size, codes, scales);
+  quantize_into(x, block_size, stochastic, seed, /*packs_int4=*/false, codes, scales);
+}
+
+void dequantize_int8_into_cuda(const at::Tensor& codes, const at::Tensor& scales,
+                               int64_t block_size, const at::Tensor& out) {
+  check_dequantize_int8_args(codes, scales, block_size, out.scalar_type());
+  check_dequantize_destination(out, codes);
+  if (codes.numel() == 0) return;
   const c10::cuda::CUDAGuard guard(codes.device());
   const at::Tensor code_data = codes.contiguous();
   const at::Tensor scale_data = scales.contiguous();
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  LZ_DISPATCH_FLOAT_TYPES(out_dtype, "lazyzero::dequantize_int8", [&] {
+  LZ_DISPATCH_FLOAT_TYPES(out.scalar_type(), "lazyzero::dequantize_int8", [&] {
     dequantize_int8_kernel<scalar_t><<<ctas_for(codes.numel()), kThreadsPerCta, 0, stream>>>(
         code_data.const_data_ptr<int8_t>(), scale_data.const_data_ptr<float>(), codes.numel(),
         block_size, out.mutable_data_ptr<scalar_t>());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
+}
+
+at::Tensor dequantize_int8_cuda(const at::Tensor& codes, const at::Tensor& scales,
+                                int64_t block_size, at::ScalarType out_dtype) {
+  check_dequantize_int8_args(codes, scales, block_size, out_dtype);
+  at::Tensor out = at::empty({codes.numel()}, codes.options().dtype(out_dtype));
+  dequantize_int8_into_cuda(codes, scales, block_size, out);
   return out;
 }
 
@@ -232,8 +252,10 @@ at::Tensor dequantize_sum_int8_cuda(const at::Tensor& codes, const at::Tensor& s
 TORCH_LIBRARY_IMPL(lazyzero, CUDA, m) {
   using namespace lazyzero::quant;
   m.impl("quantize_int8", &quantize_int8_cuda);
+  m.impl("quantize_int8_into", &quantize_int8_into_cuda);
   m.impl("quantize_int4", &quantize_int4_cuda);
   m.impl("dequantize_int8", &dequantize_int8_cuda);
+  m.impl("dequantize_int8_into", &dequantize_int8_into_cuda);
   m.impl("dequantize_int4", &dequantize_int4_cuda);
   m.impl("dequantize_sum_int8", &dequantize_sum_int8_cuda);
   m.impl("dequantize_sum_int8_into", &dequantize_sum_int8_into_cuda);

@@ -1,4 +1,4 @@
-"""lazyzero's native ops: schemas in namespace `lazyzero`, pure-PyTorch references, C++/CUDA kernels.
+"""lazyzero's native ops: schemas in namespace `lazyzero`, PyTorch references, C++/CUDA kernels.
 
 Importing this package defines the op schemas and never compiles anything; the kernels are built on
 first use (see `lazyzero.ops.build`).

@@ -8,7 +8,8 @@ its kernels to the `torch.ops.lazyzero` schemas defined in Python. Nothing here 
 
 Libraries are cached under $TORCH_EXTENSIONS_DIR (torch's default cache when unset), in a folder
 named after the Python and torch versions; ninja rebuilds only what changed. The CPU library is
-compiled with -march=native, so the cache belongs to one machine.
+compiled with -march=native, so its folder also carries a hash of the CPU's model and feature
+flags: a cache shared between different machines (an NFS home) never runs foreign instructions.
 
 When the CPU library cannot be built, the ops fall back to the PyTorch reference after one logged
 line naming the reason. On a GPU there is no fallback: a failed CUDA build raises.
@@ -16,9 +17,12 @@ line naming the reason. On a GPU there is no fallback: a failed CUDA build raise
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import importlib
 import logging
 import os
+import platform
 import shutil
 import sys
 import threading
@@ -63,7 +67,8 @@ class BackendStatus:
     """"cpu" or "cuda"."""
     state: State
     """loaded: kernels registered in this process; built: library on disk, not loaded yet;
-    not built: nothing stops a build; failed: the last build failed; unavailable: cannot build here."""
+    not built: nothing stops a build; failed: the last build failed; unavailable: cannot build
+    here."""
     path: Path | None
     """The compiled library when one exists on disk."""
     reason: str
@@ -95,12 +100,25 @@ def library_name(backend: str) -> str:
     return f"lazyzero_{backend}"
 
 
+@functools.lru_cache(maxsize=1)
+def _cpu_tag() -> str:
+    """Short hash of the CPU model and instruction-set flags, the inputs of -march=native."""
+    cpuinfo = Path("/proc/cpuinfo")
+    identity = platform.machine() + platform.processor()
+    if cpuinfo.is_file():
+        wanted = ("model name", "flags")
+        lines = [line for line in cpuinfo.read_text().splitlines() if line.startswith(wanted)]
+        identity += "".join(sorted(set(lines)))
+    return hashlib.sha256(identity.encode()).hexdigest()[:10]
+
+
 def build_directory(backend: str) -> Path:
     """Cache folder of one backend's library; honours TORCH_EXTENSIONS_DIR like torch itself."""
     root = os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()
     python_tag = f"py{sys.version_info.major}{sys.version_info.minor}"
     torch_tag = "torch" + torch.__version__.replace("+", "_")
-    return Path(root) / f"lazyzero_{python_tag}_{torch_tag}" / library_name(backend)
+    name = library_name(backend) + (f"_{_cpu_tag()}" if backend == "cpu" else "")
+    return Path(root) / f"lazyzero_{python_tag}_{torch_tag}" / name
 
 
 def library_path(backend: str) -> Path:
@@ -116,6 +134,8 @@ def _blocker(backend: str) -> str:
     compiler = os.environ.get("CXX", "c++")
     if shutil.which(compiler) is None:
         return f"no compiler ({compiler} not found)"
+    if not cpp_extension.is_ninja_available():
+        return "no ninja (pip install ninja)"
     if backend == "cuda":
         if not torch.cuda.is_available():
             return "no CUDA device"
@@ -159,8 +179,6 @@ def _compile_and_load(backend: str, verbose: bool) -> None:
     for module in SCHEMA_MODULES:
         importlib.import_module(module)
     source_root = csrc_dir()
-    directory = build_directory(backend)
-    directory.mkdir(parents=True, exist_ok=True)
     cpp_extension.load(
         name=library_name(backend),
         sources=[str(source_root / source) for source in NATIVE_SOURCES[backend]],
@@ -168,7 +186,7 @@ def _compile_and_load(backend: str, verbose: bool) -> None:
         extra_cuda_cflags=list(NVCC_FLAGS),
         extra_ldflags=list(LD_FLAGS),
         extra_include_paths=[str(source_root / "include"), str(source_root)],
-        build_directory=str(directory),
+        build_directory=str(build_directory(backend)),
         verbose=verbose,
         is_python_module=False,
     )
@@ -179,7 +197,9 @@ def _load(backend: str, verbose: bool) -> BackendStatus:
     blocker = _blocker(backend)
     if blocker:
         return BackendStatus(backend, "unavailable", None, blocker)
-    marker = build_directory(backend) / _FAILURE_MARKER
+    directory = build_directory(backend)
+    directory.mkdir(parents=True, exist_ok=True)
+    marker = directory / _FAILURE_MARKER
     try:
         _compile_and_load(backend, verbose)
     except (RuntimeError, OSError, ImportError) as error:

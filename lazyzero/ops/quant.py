@@ -28,10 +28,17 @@ _SCHEMAS = {
     "quantize_int8": (
         "(Tensor x, int block_size, bool stochastic, int seed) -> (Tensor codes, Tensor scales)"
     ),
+    "quantize_int8_into": (
+        "(Tensor x, int block_size, bool stochastic, int seed, Tensor(a!) codes, Tensor(b!) scales)"
+        " -> ()"
+    ),
     "quantize_int4": (
         "(Tensor x, int block_size, bool stochastic, int seed) -> (Tensor packed, Tensor scales)"
     ),
-    "dequantize_int8": "(Tensor codes, Tensor scales, int block_size, ScalarType out_dtype) -> Tensor",
+    "dequantize_int8": (
+        "(Tensor codes, Tensor scales, int block_size, ScalarType out_dtype) -> Tensor"
+    ),
+    "dequantize_int8_into": "(Tensor codes, Tensor scales, int block_size, Tensor(a!) out) -> ()",
     "dequantize_int4": (
         "(Tensor packed, Tensor scales, int numel, int block_size, ScalarType out_dtype) -> Tensor"
     ),
@@ -57,6 +64,11 @@ def _quantize_int8_fake(x, block_size, stochastic, seed):
     )
 
 
+@torch.library.register_fake("lazyzero::quantize_int8_into")
+def _quantize_int8_into_fake(x, block_size, stochastic, seed, codes, scales):
+    return None
+
+
 @torch.library.register_fake("lazyzero::quantize_int4")
 def _quantize_int4_fake(x, block_size, stochastic, seed):
     n = x.numel()
@@ -68,6 +80,11 @@ def _quantize_int4_fake(x, block_size, stochastic, seed):
 @torch.library.register_fake("lazyzero::dequantize_int8")
 def _dequantize_int8_fake(codes, scales, block_size, out_dtype):
     return codes.new_empty((codes.numel(),), dtype=out_dtype)
+
+
+@torch.library.register_fake("lazyzero::dequantize_int8_into")
+def _dequantize_int8_into_fake(codes, scales, block_size, out):
+    return None
 
 
 @torch.library.register_fake("lazyzero::dequantize_int4")
@@ -129,33 +146,70 @@ def _check_float_dtype(dtype: torch.dtype, what: str) -> None:
         raise TypeError(f"{what} must be one of {names}, got {dtype}")
 
 
+def _check_destination(tensor: torch.Tensor, name: str, dtypes, numel: int, device) -> None:
+    if tensor.dtype not in dtypes or tensor.numel() != numel or not tensor.is_contiguous():
+        names = " or ".join(str(d) for d in dtypes)
+        raise ValueError(
+            f"{name} must be a contiguous {names} tensor of {numel} elements, got "
+            f"{tensor.dtype} {list(tensor.shape)}"
+        )
+    if tensor.device != device:
+        raise ValueError(f"{name} is on {tensor.device}, the input on {device}")
+
+
 def quantize_blockwise(
     x: torch.Tensor,
     bits: int = 8,
     block_size: int = DEFAULT_BLOCK_SIZE,
     stochastic: bool = False,
     seed: int = 0,
+    out: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> BlockQuantized:
     """Quantize `x` (any shape, fp32/bf16/fp16) to symmetric `bits`-bit codes with fp32 scales.
 
     Blocks are `block_size` consecutive elements of the flattened tensor. Round to nearest (ties to
     even) unless `stochastic`, in which case rounding is unbiased and reproducible: it depends only
-    on `seed` and each element's index, identically on every backend.
+    on `seed` and each element's index, identically on every backend. For bits=8, `out` may give
+    preallocated (codes int8 [n], scales fp32 [ceil(n / block_size)]) to write into, e.g. a
+    persistent communication buffer.
     """
     _check_block_size(bits, block_size)
     _check_float_dtype(x.dtype, "x.dtype")
     if not -(2**63) <= seed < 2**63:
         raise ValueError(f"seed must fit in int64, got {seed}")
-    op_name = "quantize_int8" if bits == 8 else "quantize_int4"
-    codes, scales = _run(op_name, x.device, x, block_size, stochastic, seed)
+    if out is None:
+        op_name = "quantize_int8" if bits == 8 else "quantize_int4"
+        codes, scales = _run(op_name, x.device, x, block_size, stochastic, seed)
+        return BlockQuantized(codes, scales, bits, block_size, x.shape, x.dtype)
+    if bits != 8:
+        raise ValueError("out= is supported for bits=8 only")
+    codes, scales = out
+    _check_destination(codes, "out codes", (torch.int8,), x.numel(), x.device)
+    nblocks = _num_blocks(x.numel(), block_size)
+    _check_destination(scales, "out scales", (torch.float32,), nblocks, x.device)
+    _run("quantize_int8_into", x.device, x, block_size, stochastic, seed, codes, scales)
     return BlockQuantized(codes, scales, bits, block_size, x.shape, x.dtype)
 
 
-def dequantize_blockwise(q: BlockQuantized, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """Restore a `BlockQuantized` to its shape, in `dtype` (default: its original dtype)."""
+def dequantize_blockwise(
+    q: BlockQuantized, dtype: torch.dtype | None = None, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Restore a `BlockQuantized` to its shape, in `dtype` (default: its original dtype).
+
+    For bits=8, `out` may give a preallocated contiguous float tensor of q.numel elements to write
+    into (its dtype is the output dtype); it is returned as it is, not reshaped.
+    """
+    _check_block_size(q.bits, q.block_size)
+    if out is not None:
+        if q.bits != 8:
+            raise ValueError("out= is supported for bits=8 only")
+        if dtype is not None and dtype != out.dtype:
+            raise ValueError(f"dtype {dtype} contradicts out.dtype {out.dtype}")
+        _check_destination(out, "out", SUPPORTED_DTYPES, q.numel, q.codes.device)
+        _run("dequantize_int8_into", q.codes.device, q.codes, q.scales, q.block_size, out)
+        return out
     out_dtype = q.dtype if dtype is None else dtype
     _check_float_dtype(out_dtype, "dtype")
-    _check_block_size(q.bits, q.block_size)
     if q.bits == 8:
         flat = _run("dequantize_int8", q.codes.device, q.codes, q.scales, q.block_size, out_dtype)
     else:
@@ -195,12 +249,6 @@ def dequantize_sum_int8(
     _check_sum_args(codes, scales, block_size)
     if out is None:
         return _run("dequantize_sum_int8", codes.device, codes, scales, block_size, float(alpha))
-    if out.dtype != torch.float32 or out.numel() != codes.shape[1] or not out.is_contiguous():
-        raise ValueError(
-            f"out must be a contiguous float32 tensor of {codes.shape[1]} elements, got "
-            f"{out.dtype} {list(out.shape)}"
-        )
-    if out.device != codes.device:
-        raise ValueError(f"out ({out.device}) and codes ({codes.device}) differ in device")
+    _check_destination(out, "out", (torch.float32,), codes.shape[1], codes.device)
     _run("dequantize_sum_int8_into", codes.device, codes, scales, block_size, float(alpha), out)
     return out

@@ -52,7 +52,7 @@ def _shift_right_logical(z: torch.Tensor, bits: int) -> torch.Tensor:
 
 
 def _mix64(z: torch.Tensor) -> torch.Tensor:
-    """splitmix64 finalizer on int64 tensors holding uint64 bits (int64 multiply wraps mod 2**64)."""
+    """splitmix64 finalizer on int64 tensors holding uint64 bits (int64 products wrap mod 2**64)."""
     z = (z ^ _shift_right_logical(z, 30)) * _as_int64(_MIX_MULTIPLIER_1)
     z = (z ^ _shift_right_logical(z, 27)) * _as_int64(_MIX_MULTIPLIER_2)
     return z ^ _shift_right_logical(z, 31)
@@ -118,6 +118,20 @@ def quantize_int8(
     return _quantize_codes(x, block_size, INT8_MAX, stochastic, seed)
 
 
+def quantize_int8_into(
+    x: torch.Tensor,
+    block_size: int,
+    stochastic: bool,
+    seed: int,
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+) -> None:
+    """quantize_int8 written into existing int8 `codes` [n] and fp32 `scales` tensors."""
+    new_codes, new_scales = quantize_int8(x, block_size, stochastic, seed)
+    codes.copy_(new_codes)
+    scales.copy_(new_scales)
+
+
 def quantize_int4(
     x: torch.Tensor, block_size: int, stochastic: bool, seed: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -155,6 +169,13 @@ def dequantize_int8(
     """out[i] = fp32(codes[i]) * scales[i // block_size], then cast to out_dtype; shape [n]."""
     values = codes.reshape(-1).to(torch.float32) * _expand_scales(scales, block_size, codes.numel())
     return values.to(out_dtype)
+
+
+def dequantize_int8_into(
+    codes: torch.Tensor, scales: torch.Tensor, block_size: int, out: torch.Tensor
+) -> None:
+    """dequantize_int8 written into an existing float tensor `out` [n], in out's dtype."""
+    out.copy_(dequantize_int8(codes, scales, block_size, out.dtype))
 
 
 def dequantize_int4(

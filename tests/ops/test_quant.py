@@ -48,6 +48,17 @@ def test_quantize_matches_reference_on_a_million_elements(op_name, dtype, stocha
     assert_quantize_matches_reference(op_name, x, 256, stochastic)
 
 
+@pytest.mark.parametrize("stochastic", [False, True], ids=["nearest", "stochastic"])
+def test_quantize_int8_into_matches_reference(stochastic):
+    for x in (varied_magnitudes(0), with_special_values(2**16 + 9, 256, torch.bfloat16)):
+        codes = torch.full((x.numel(),), 55, dtype=torch.int8)
+        scales = torch.full((-(-x.numel() // 256),), 5.0)
+        ops.quantize_int8_into(x, 256, stochastic, SEED, codes, scales)
+        ref_codes, ref_scales = quant_reference.quantize_int8(x, 256, stochastic, SEED)
+        assert_close(codes, ref_codes, "native_vs_reference")
+        assert_close(scales, ref_scales, "native_vs_reference")
+
+
 def test_quantize_int8_matches_reference_with_odd_block_size():
     assert_quantize_matches_reference("quantize_int8", varied_magnitudes(1000), 7, False)
     assert_quantize_matches_reference("quantize_int8", varied_magnitudes(1000), 7, True)
@@ -93,6 +104,9 @@ def test_dequantize_int8_matches_reference(block_size, out_dtype):
         expected = quant_reference.dequantize_int8(codes, scales, block_size, out_dtype)
         actual = ops.dequantize_int8(codes, scales, block_size, out_dtype)
         assert_close(actual, expected, "native_vs_reference")
+        into = torch.full_like(expected, 3.0)
+        ops.dequantize_int8_into(codes, scales, block_size, into)
+        assert_close(into, expected, "native_vs_reference")
 
 
 @pytest.mark.parametrize("out_dtype", DTYPES, ids=str)
@@ -144,8 +158,16 @@ BAD_CALLS = {
         "scales must have 2 elements",
     ),
     "packed-count": (
-        lambda: ops.dequantize_int4(INT8_CODES.view(torch.uint8), torch.ones(2), 9, 8, torch.float32),
+        lambda: ops.dequantize_int4(INT8_CODES.view(torch.uint8), torch.ones(2), 9, 8, torch.half),
         "packed must have 5 elements",
+    ),
+    "into-codes-dtype": (
+        lambda: ops.quantize_int8_into(torch.ones(8), 4, False, 0, torch.ones(8), torch.ones(2)),
+        "codes must have dtype Char",
+    ),
+    "into-out-contiguous": (
+        lambda: ops.dequantize_int8_into(INT8_CODES, torch.ones(2), 4, torch.ones(8, 2)[:, 0]),
+        "out must be contiguous",
     ),
     "sum-scales-shape": (
         lambda: ops.dequantize_sum_int8(INT8_CODES.view(2, 4), torch.ones(2, 3), 4, 1.0),
@@ -169,8 +191,10 @@ def _opcheck_samples():
     return [
         ("quantize_int8", (x, 64, False, 0)),
         ("quantize_int8", (x.float(), 64, True, 5)),
+        ("quantize_int8_into", (x, 64, True, 5, torch.empty_like(codes), torch.empty_like(scales))),
         ("quantize_int4", (x, 64, True, 5)),
         ("dequantize_int8", (codes, scales, 64, torch.float16)),
+        ("dequantize_int8_into", (codes, scales, 64, torch.empty(1000, dtype=torch.bfloat16))),
         ("dequantize_int4", (packed, scales4, 1000, 64, torch.float32)),
         ("dequantize_sum_int8", (sum_codes, sum_scales, 64, 0.5)),
         ("dequantize_sum_int8_into", (sum_codes, sum_scales, 64, 0.5, torch.empty(1000))),

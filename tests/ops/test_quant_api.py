@@ -107,6 +107,18 @@ def test_shape_and_dtype_are_restored(bits):
     assert dequantize_blockwise(q, torch.float16).dtype == torch.float16
 
 
+def test_quantize_and_dequantize_into_preallocated_buffers():
+    x = varied_magnitudes(3000, torch.float16)
+    codes, scales = torch.empty(3000, dtype=torch.int8), torch.empty(12)
+    q = quantize_blockwise(x, out=(codes, scales), stochastic=True, seed=3)
+    assert q.codes is codes and q.scales is scales
+    expected = quantize_blockwise(x, stochastic=True, seed=3)
+    assert torch.equal(codes, expected.codes) and torch.equal(scales, expected.scales)
+    out = torch.empty(3000, dtype=torch.bfloat16)
+    assert dequantize_blockwise(q, out=out) is out
+    assert torch.equal(out, dequantize_blockwise(expected, torch.bfloat16))
+
+
 def test_meta_tensors_give_shapes_without_data():
     q = quantize_blockwise(torch.empty(1001, device="meta"), bits=4, block_size=100)
     assert q.codes.shape == (501,) and q.scales.shape == (11,)
@@ -147,11 +159,22 @@ def test_quantize_rejects_unsupported_dtypes():
             quantize_blockwise(torch.ones(8, dtype=dtype))
 
 
+def test_out_buffers_are_checked():
+    x = torch.ones(100)
+    with pytest.raises(ValueError, match="out scales must be a contiguous torch.float32 tensor"):
+        quantize_blockwise(x, out=(torch.empty(100, dtype=torch.int8), torch.empty(2)))
+    with pytest.raises(ValueError, match="bits=8 only"):
+        quantize_blockwise(x, bits=4, out=(torch.empty(50, dtype=torch.uint8), torch.empty(1)))
+    q = quantize_blockwise(x)
+    with pytest.raises(ValueError, match="contradicts"):
+        dequantize_blockwise(q, torch.float16, out=torch.empty(100))
+
+
 def test_dequantize_sum_rejects_mismatched_shapes():
     codes = torch.zeros(2, 100, dtype=torch.int8)
     with pytest.raises(ValueError, match=r"scales must be float32 \[2, 2\]"):
         dequantize_sum_int8(codes, torch.ones(2, 3), 64)
     with pytest.raises(ValueError, match="codes must be int8"):
         dequantize_sum_int8(codes.view(-1), torch.ones(4), 64)
-    with pytest.raises(ValueError, match="out must be a contiguous float32"):
+    with pytest.raises(ValueError, match="out must be a contiguous torch.float32 tensor of 100"):
         dequantize_sum_int8(codes, torch.ones(2, 2), 64, out=torch.empty(99))

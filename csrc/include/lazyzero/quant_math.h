@@ -111,6 +111,13 @@ LZ_HOST_DEVICE float scale_from_absmax_bits(uint32_t absmax_bits, float qmax) {
   return div_rn(float_of(absmax_bits), qmax);
 }
 
+// How codes are rounded: qmax 127 (int8) or 7 (int4); stochastic draws use `key`.
+struct Rounding {
+  float qmax;
+  bool stochastic;
+  uint64_t key;  // stream_key(seed); unused when !stochastic
+};
+
 // How a block's codes are produced, decided once per block from its scale.
 enum class BlockKind { kFinite, kZero, kNonFinite };
 

@@ -1,0 +1,84 @@
+"""Throughput of the C++ int8 quant kernels against the PyTorch reference and a plain copy.
+
+All cases use the same 64 MiB of fp32 input on 2 threads; GB/s counts bytes read plus bytes
+written. Like the copy baseline (`dst.copy_(src)`), the kernel cases write into preallocated
+buffers (the `_into` ops): a fresh 64 MiB output would otherwise be dominated by the kernel zeroing
+new pages on first touch. The `*_alloc_gbps` cases show what the allocating ops cost as called.
+Targets (issue): quantize >= 0.5 x memcpy and >= 4 x the reference.
+
+    python benchmarks/bench_quant.py --quick --out results/bench_quant.json
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # `common` sits beside this script
+from common import gbps, median_seconds, parse_args, pin_threads, write_results  # noqa: E402
+
+import lazyzero.ops.quant  # noqa: E402, F401  (defines the torch.ops.lazyzero schemas)
+from lazyzero.ops import build, quant_reference  # noqa: E402
+
+THREADS = 2
+INPUT_BYTES = 64 * 2**20
+BLOCK_SIZE = 256
+SUM_ROWS = 4  # chunks reduced by the fused dequantize-sum, as after a 4-rank all-to-all
+
+
+def cases_and_bytes(x: torch.Tensor) -> tuple[dict, dict[str, int]]:
+    """The timed callables and the bytes each one reads plus writes."""
+    ops = torch.ops.lazyzero
+    n = x.numel()
+    codes, scales = ops.quantize_int8(x, BLOCK_SIZE, False, 0)
+    rows_codes, rows_scales = codes.view(SUM_ROWS, -1), scales.view(SUM_ROWS, -1)
+    restored = torch.empty_like(x)
+    summed = torch.empty(n // SUM_ROWS)
+    copy_destination = torch.empty_like(x)
+    cases = {
+        "quant": lambda: ops.quantize_int8_into(x, BLOCK_SIZE, False, 0, codes, scales),
+        "dequant": lambda: ops.dequantize_int8_into(codes, scales, BLOCK_SIZE, restored),
+        "dequant_sum": lambda: ops.dequantize_sum_int8_into(
+            rows_codes, rows_scales, BLOCK_SIZE, 1 / SUM_ROWS, summed
+        ),
+        "quant_alloc": lambda: ops.quantize_int8(x, BLOCK_SIZE, False, 0),
+        "dequant_alloc": lambda: ops.dequantize_int8(codes, scales, BLOCK_SIZE, torch.float32),
+        "ref_quant": lambda: quant_reference.quantize_int8(x, BLOCK_SIZE, False, 0),
+        "memcpy": lambda: copy_destination.copy_(x),
+    }
+    quant_bytes = 4 * n + n + 4 * scales.numel()  # fp32 in; int8 codes and fp32 scales out
+    dequant_bytes = n + 4 * scales.numel() + 4 * n
+    moved = {
+        "quant": quant_bytes,
+        "dequant": dequant_bytes,
+        "dequant_sum": n + 4 * scales.numel() + 4 * summed.numel(),
+        "quant_alloc": quant_bytes,
+        "dequant_alloc": dequant_bytes,
+        "ref_quant": quant_bytes,
+        "memcpy": 2 * 4 * n,
+    }
+    return cases, moved
+
+
+def measure(quick: bool) -> dict[str, float]:
+    x = torch.randn(INPUT_BYTES // 4, generator=torch.Generator().manual_seed(0))
+    cases, moved = cases_and_bytes(x)
+    seconds = median_seconds(cases, repeats=5 if quick else 21)
+    results = {f"{name}_gbps": gbps(moved[name], seconds[name]) for name in cases}
+    results["quant_vs_memcpy"] = results["quant_gbps"] / results["memcpy_gbps"]
+    results["quant_vs_ref"] = results["quant_gbps"] / results["ref_quant_gbps"]
+    return results
+
+
+def main() -> None:
+    args = parse_args(__doc__.splitlines()[0])
+    pin_threads(THREADS)
+    if not build.ensure_native("cpu"):
+        raise SystemExit("the C++ kernels are unavailable:\n" + build.format_status(build.status()))
+    write_results(args.out, "bench_quant", args.quick, measure(args.quick))
+
+
+if __name__ == "__main__":
+    main()

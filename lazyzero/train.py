@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from lazyzero.config import LazyZeroConfigError, load_ds_config_file, validate_ds_config
+from lazyzero.data.arithmetic import DIFFICULTIES
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -25,11 +26,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--family", default=None, choices=["llama", "qwen2", "mistral", "gpt2"], help="architecture for a preset (default llama)")
     p.add_argument("--tokenizer", default=None, help="local tokenizer folder (default: byte-level, no download)")
     p.add_argument("--data", default=None, help="local .txt or .jsonl training file (default: the shipped arithmetic problems)")
+    p.add_argument("--difficulty", default="starter", choices=list(DIFFICULTIES),
+                   help="difficulty of the generated problems (train and eval)")
     p.add_argument("--train-examples", type=int, default=20000, help="generated training problems")
     p.add_argument("--eval-problems", type=int, default=64, help="generated eval problems for exact-match accuracy (0: no eval)")
     p.add_argument("--eval-max-new-tokens", type=int, default=56, help="decoding steps per eval prompt (the default answers need about 45)")
     p.add_argument("--seq-len", type=int, default=192)
-    p.add_argument("--max-steps", type=int, default=200, help="optimizer steps to run")
+    p.add_argument("--max-steps", type=int, default=150, help="optimizer steps to run")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--output-dir", default=None, help="metrics.jsonl, report.json and report.png go here (default runs/<config>-<model>)")
     p.add_argument("--save-every", type=int, default=0, help="save a checkpoint every N steps (0: never)")
@@ -61,9 +64,14 @@ def main(argv: list[str] | None = None) -> int:
     except LazyZeroConfigError as err:
         print(f"lazyzero: invalid config {args.deepspeed_config}:\n{err}", file=sys.stderr)
         return 2
-    from lazyzero.runtime.trainer import Trainer
+    from lazyzero.runtime.trainer import Trainer, load_training_inputs
 
-    trainer = Trainer(args, ds_config)
+    try:
+        inputs = load_training_inputs(args)
+    except (ValueError, FileNotFoundError) as err:
+        print(f"lazyzero: error: {err}", file=sys.stderr)
+        return 2
+    trainer = Trainer(args, ds_config, inputs)
     try:
         trainer.run()
     finally:

@@ -55,7 +55,9 @@ class Difficulty:
 
 
 DIFFICULTIES = {
-    # Small enough that the ~20M demo model gets some answers right after ~200 CPU steps.
+    # The quick start's default: few enough distinct facts (single-digit operands, results up to
+    # 20) that the ~20M demo model answers some problems exactly after a few CPU minutes.
+    "starter": Difficulty(steps=2, max_start=9, max_operand=9, max_multiplier=2, max_result=20),
     "easy": Difficulty(),
     "medium": Difficulty(steps=3, max_start=20, max_operand=20, max_multiplier=5, max_result=999),
     "hard": Difficulty(steps=4, max_start=50, max_operand=50, max_multiplier=9, max_result=9999),

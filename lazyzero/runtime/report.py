@@ -61,6 +61,7 @@ def _plot_loss_and_memory(records: list[dict], summary: dict, path: Path) -> Non
     ax_loss.grid(alpha=0.3)
     ax_mem.plot(steps, [r["peak_mem_bytes"] / 2**30 for r in records], lw=1, color="tab:orange")
     ax_mem.set(xlabel="step", ylabel="peak memory (GiB, rank 0)", title=summary.get("memory_kind", "memory"))
+    ax_mem.set_ylim(bottom=0)
     ax_mem.grid(alpha=0.3)
     fig.suptitle(f"lazyzero run: model {summary.get('model')}, {summary.get('world_size')} ranks, "
                  f"ZeRO stage {summary.get('zero_stage')}")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -19,24 +20,13 @@ EVAL_GATHER_LIMIT_BYTES = 2 * 2**30
 class Trainer:
     """One training run on every rank. Rank 0 alone writes logs, reports and the progress bar."""
 
-    def __init__(self, args: argparse.Namespace, ds_config: dict):
+    def __init__(self, args: argparse.Namespace, ds_config: dict, inputs: "TrainingInputs"):
         import lazyzero
         from deepspeed import comm as dist
 
-        from lazyzero.data.tokenizer import load_tokenizer
-        from lazyzero.models import build_model
-
         self.args = args
-        _share_cpu_cores()
-        torch.manual_seed(args.seed)
-        self.tokenizer = load_tokenizer(args.tokenizer)
-        self.train_set, self.eval_problems = _build_datasets(args, self.tokenizer)
-        model = build_model(args.model, family=args.family, vocab_size=self.tokenizer.vocab_size,
-                            seed=args.seed, max_positions=max(args.seq_len, 256))
-        # Presets leave special ids unset (family defaults fall outside a byte vocabulary); a saved
-        # checkpoint should name the tokens this run actually used.
-        model.config.bos_token_id, model.config.eos_token_id = self.tokenizer.bos_id, self.tokenizer.eos_id
-        model.config.pad_token_id = self.tokenizer.pad_id
+        self.tokenizer, self.train_set, self.eval_problems = inputs.tokenizer, inputs.train_set, inputs.eval_problems
+        model = inputs.model
         self.engine, _, _, _ = lazyzero.initialize(model=model,
                                                    model_parameters=[p for p in model.parameters() if p.requires_grad],
                                                    config=ds_config)
@@ -171,6 +161,34 @@ class Trainer:
             torch.distributed.destroy_process_group()
 
 
+@dataclass
+class TrainingInputs:
+    """Everything a run reads from the user's files, loaded before any process group or file exists."""
+
+    tokenizer: object
+    train_set: torch.utils.data.Dataset
+    eval_problems: list
+    model: torch.nn.Module
+
+
+def load_training_inputs(args: argparse.Namespace) -> TrainingInputs:
+    """Tokenizer, data and model; raises ValueError / FileNotFoundError naming the bad file or value."""
+    from lazyzero.data.tokenizer import load_tokenizer
+    from lazyzero.models import build_model
+
+    _share_cpu_cores()
+    torch.manual_seed(args.seed)
+    tokenizer = load_tokenizer(args.tokenizer)
+    train_set, eval_problems = _build_datasets(args, tokenizer)
+    model = build_model(args.model, family=args.family, vocab_size=tokenizer.vocab_size,
+                        seed=args.seed, max_positions=max(args.seq_len, 256))
+    # Presets leave special ids unset (family defaults fall outside a byte vocabulary); a saved
+    # checkpoint should name the tokens this run actually used.
+    model.config.bos_token_id, model.config.eos_token_id = tokenizer.bos_id, tokenizer.eos_id
+    model.config.pad_token_id = tokenizer.pad_id
+    return TrainingInputs(tokenizer, train_set, eval_problems, model)
+
+
 def _share_cpu_cores() -> None:
     """On CPU, split the cores among the ranks of this host unless OMP_NUM_THREADS says otherwise:
     neither the deepspeed launcher nor mpirun does, and two ranks with all cores each thrash."""
@@ -191,6 +209,8 @@ def _build_datasets(args: argparse.Namespace, tokenizer):
     if args.data:
         texts = load_texts(args.data)
     else:
-        texts = [format_example(p) for p in generate_problems(args.train_examples, seed=args.seed, split="train")]
-    eval_problems = generate_problems(args.eval_problems, seed=args.seed, split="eval") if args.eval_problems else []
+        problems = generate_problems(args.train_examples, seed=args.seed, split="train", difficulty=args.difficulty)
+        texts = [format_example(p) for p in problems]
+    eval_problems = (generate_problems(args.eval_problems, seed=args.seed, split="eval", difficulty=args.difficulty)
+                     if args.eval_problems else [])
     return TokenizedExamples(texts, tokenizer, args.seq_len), eval_problems

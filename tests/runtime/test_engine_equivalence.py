@@ -9,15 +9,16 @@ import pytest
 from lazyzero.testing import run_distributed
 
 WORKER = Path(__file__).parents[1] / "workers" / "equivalence_worker.py"
+SETTINGS = ["0", "1", "2", "3", "2+cpu", "3+cpu"]
 
 
 @pytest.mark.multiproc
-def test_losses_equal_plain_deepspeed_on_every_stage(tmp_path):
-    proc = run_distributed("deepspeed", 2, [str(WORKER), str(tmp_path), "0", "1", "2", "3"], timeout=900)
+def test_losses_equal_plain_deepspeed_on_every_stage_with_and_without_cpu_offload(tmp_path):
+    proc = run_distributed("deepspeed", 2, [str(WORKER), str(tmp_path), *SETTINGS], timeout=900)
     assert proc.returncode == 0, proc.stdout[-4000:]
     for rank in (0, 1):
         result = json.loads((tmp_path / f"rank{rank}.json").read_text())
-        for stage in ("0", "1", "2", "3"):
+        for stage in SETTINGS:
             runs = result[stage]
             assert runs["engines"] == ["DeepSpeedEngine", "LazyZeroEngine"]
             assert len(runs["deepspeed"]) == 10

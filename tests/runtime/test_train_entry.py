@@ -78,3 +78,16 @@ def test_bad_config_is_rejected_before_anything_is_created(tmp_path):
     assert proc.returncode == 2
     assert "lazyzero.gradeints" in proc.stderr and "did you mean 'gradients'" in proc.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.json"]
+
+
+def test_malformed_data_file_is_named_before_anything_is_created(tmp_path):
+    import subprocess
+
+    data = tmp_path / "data.jsonl"
+    data.write_text('{"text": "fine"}\n{"question": "no answer"}\n')
+    proc = subprocess.run([sys.executable, "-m", "lazyzero.train", "--deepspeed_config", str(CONFIG),
+                           "--model", "tiny", "--data", str(data), "--output-dir", str(tmp_path / "out")],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert f"{data}:2" in proc.stderr and "'question' and 'answer'" in proc.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["data.jsonl"]

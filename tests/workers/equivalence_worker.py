@@ -1,7 +1,9 @@
 """Run 5 steps with plain deepspeed.initialize and with lazyzero.initialize (features off) per ZeRO
-stage, in one process per rank, and write the losses to OUT/rank{r}.json.
+setting, in one process per rank, and write the losses to OUT/rank{r}.json.
 
-Usage (under a launcher): equivalence_worker.py OUT STAGE [STAGE ...]
+Usage (under a launcher): equivalence_worker.py OUT SETTING [SETTING ...]
+SETTING is a stage ("0".."3"), optionally with CPU offload ("2+cpu": optimizer state; "3+cpu":
+optimizer state and parameters).
 """
 
 import json
@@ -17,13 +19,20 @@ from lazyzero.models import build_model
 STEPS = 5
 
 
-def ds_config(stage: int, with_section: bool) -> dict:
+def ds_config(setting: str, with_section: bool) -> dict:
+    stage, _, offload = setting.partition("+")
+    zero = {"stage": int(stage), "reduce_bucket_size": 5000, "stage3_param_persistence_threshold": 0}
+    if offload == "cpu":
+        zero["offload_optimizer"] = {"device": "cpu"}
+        if zero["stage"] == 3:
+            zero["offload_param"] = {"device": "cpu"}
     config = {
         "train_micro_batch_size_per_gpu": 2,
         "gradient_accumulation_steps": 2,
         "gradient_clipping": 1.0,
-        "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "weight_decay": 0.01}},
-        "zero_optimization": {"stage": stage, "reduce_bucket_size": 5000, "stage3_param_persistence_threshold": 0},
+        # Without offload, torch's AdamW (no JIT build); with it, DeepSpeed's CPU Adam, as users get.
+        "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "weight_decay": 0.01, "torch_adam": not offload}},
+        "zero_optimization": zero,
         "steps_per_print": 10**9,
     }
     if with_section:
@@ -31,9 +40,9 @@ def ds_config(stage: int, with_section: bool) -> dict:
     return config
 
 
-def train_losses(init, stage: int, with_section: bool) -> list[float]:
+def train_losses(init, setting: str, with_section: bool) -> tuple[str, list[float]]:
     model = build_model("tiny", seed=7, vocab_size=300)
-    engine, _, _, _ = init(model=model, model_parameters=model.parameters(), config=ds_config(stage, with_section))
+    engine, _, _, _ = init(model=model, model_parameters=model.parameters(), config=ds_config(setting, with_section))
     generator = torch.Generator().manual_seed(100 + engine.global_rank)
     losses = []
     for _ in range(STEPS * engine.gradient_accumulation_steps()):
@@ -49,12 +58,12 @@ def train_losses(init, stage: int, with_section: bool) -> list[float]:
 
 def main() -> None:
     args = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]
-    out, stages = Path(args[0]), [int(s) for s in args[1:]]
+    out, settings = Path(args[0]), args[1:]
     result = {}
-    for stage in stages:
-        ds_kind, ds_losses = train_losses(deepspeed.initialize, stage, with_section=False)
-        lz_kind, lz_losses = train_losses(lazyzero.initialize, stage, with_section=True)
-        result[str(stage)] = {"deepspeed": ds_losses, "lazyzero": lz_losses, "engines": [ds_kind, lz_kind]}
+    for setting in settings:
+        ds_kind, ds_losses = train_losses(deepspeed.initialize, setting, with_section=False)
+        lz_kind, lz_losses = train_losses(lazyzero.initialize, setting, with_section=True)
+        result[setting] = {"deepspeed": ds_losses, "lazyzero": lz_losses, "engines": [ds_kind, lz_kind]}
     rank = torch.distributed.get_rank()
     (out / f"rank{rank}.json").write_text(json.dumps(result))
     torch.distributed.destroy_process_group()

@@ -1,0 +1,30 @@
+"""Quantized collectives: int8 all-to-all with local fp32 reduction (AGoQ; issue 3).
+
+`quantized_reduce_scatter` sends each owner its rows as block-wise int8 codes plus fp32 scales and
+sums what it receives in fp32; `quantized_all_reduce` follows it with an all-gather of the
+requantized int8 chunks. `any_nonfinite` lets every rank agree on overflow, and the error bounds
+of RELIABILITY.md row 8 are computed from the scales (`ReduceScatterResult.error_bound`).
+"""
+
+from lazyzero.comm.error_bound import all_reduce_error_bound, reduce_scatter_error_bound
+from lazyzero.comm.layout import ChunkLayout, deepspeed_chunk_length
+from lazyzero.comm.nonfinite import any_nonfinite
+from lazyzero.comm.quantized_all_reduce import AllReduceResult, quantized_all_reduce
+from lazyzero.comm.quantized_reduce_scatter import (
+    ExchangeBuffers,
+    ReduceScatterResult,
+    quantized_reduce_scatter,
+)
+
+__all__ = [
+    "AllReduceResult",
+    "ChunkLayout",
+    "ExchangeBuffers",
+    "ReduceScatterResult",
+    "all_reduce_error_bound",
+    "any_nonfinite",
+    "deepspeed_chunk_length",
+    "quantized_all_reduce",
+    "quantized_reduce_scatter",
+    "reduce_scatter_error_bound",
+]

@@ -34,6 +34,7 @@ class Trainer:
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.batches = StepBatches(len(self.train_set), self.engine.train_micro_batch_size_per_gpu(),
                                    self.engine.gradient_accumulation_steps(), self.rank, self.world, args.seed)
+        self.eval_problems = _whole_shards(self.eval_problems, self.world, self.rank)
         self.output_dir = Path(args.output_dir or f"runs/{Path(args.deepspeed_config).stem}-{Path(args.model).name}")
         self.start_step = self._resume() if args.resume else 0
         self.log = self._open_log() if self.rank == 0 else None
@@ -83,9 +84,9 @@ class Trainer:
             loss_sum += torch.tensor([loss.item(), float(batch["attention_mask"].sum())], dtype=torch.float64)
         stall = self._maybe_save(step + 1)
         step_time = time.perf_counter() - t0
-        self.dist.all_reduce(loss_sum)
-        mean_loss = loss_sum[0].item() / (self.world * self.engine.gradient_accumulation_steps())
-        return {"step": step + 1, "loss": mean_loss, "tokens_per_s": loss_sum[1].item() / step_time,
+        loss_total, tokens = self._sum_over_ranks(loss_sum)
+        mean_loss = loss_total / (self.world * self.engine.gradient_accumulation_steps())
+        return {"step": step + 1, "loss": mean_loss, "tokens_per_s": tokens / step_time,
                 "step_time_s": step_time, "peak_mem_bytes": peak_memory_bytes(), "checkpoint_stall_s": stall,
                 "lr": self.engine.get_lr()[0] if self.engine.get_lr() else None,
                 **self.engine.lazyzero_step_metrics()}
@@ -113,9 +114,14 @@ class Trainer:
         with self._whole_params_if_small():
             result = exact_match_accuracy(self.engine.module, self.tokenizer, shard,
                                           max_new_tokens=self.args.eval_max_new_tokens, batch_size=len(shard))
-        counts = torch.tensor([result.correct, result.total], dtype=torch.float64)
-        self.dist.all_reduce(counts)
-        return counts[0].item() / counts[1].item()
+        correct, total = self._sum_over_ranks(torch.tensor([result.correct, result.total], dtype=torch.float64))
+        return correct / total
+
+    def _sum_over_ranks(self, values: torch.Tensor) -> list[float]:
+        """Element-wise sum over all ranks (on the engine's device: NCCL cannot reduce CPU tensors)."""
+        values = values.to(self.engine.device)
+        self.dist.all_reduce(values)
+        return values.tolist()
 
     def _whole_params_if_small(self):
         """Under ZeRO-3 every decoding step would all-gather every layer again; gather once instead
@@ -159,6 +165,17 @@ class Trainer:
         if self.dist.is_initialized():
             self.dist.barrier()
             torch.distributed.destroy_process_group()
+
+
+def _whole_shards(problems: list, world: int, rank: int) -> list:
+    """The eval problems cut to a multiple of the number of ranks: every rank must decode the same
+    number of prompts, in lockstep (ZeRO-3 gathers parameters collectively in every forward)."""
+    kept = len(problems) // world * world
+    if problems and not kept:
+        raise SystemExit(f"--eval-problems {len(problems)}: need at least one per rank ({world} ranks), or 0 for no eval")
+    if kept < len(problems) and rank == 0:
+        print(f"lazyzero: evaluating {kept} of {len(problems)} problems, a multiple of the {world} ranks")
+    return problems[:kept]
 
 
 @dataclass

@@ -16,6 +16,14 @@ TOLERANCES = {
     # a code step, plus the fp32 roundings of x / scale and code * scale (each at most
     # qmax * 2**-24 <= 2**-17 steps for qmax <= 127).
     "quant_round_trip_steps": dict(atol=0.5 + 2**-16, rtol=0.0),
+    # Mean loss of a short run (tiny model, 5 steps, 2 ranks) with int8 gradients against the same
+    # run with fp32 gradients. Measured: 6e-7 to 1.2e-4 relative.
+    "int8_gradients_loss": dict(rel=2e-3, abs=0.0),
+    # ||int8 - fp32|| / ||fp32|| of the first averaged gradient of that run. Each element is off by
+    # at most half a code step (1/254 of its block's absmax) per rank, so the relative L2 error is
+    # about 1% on these heavy-tailed gradients (measured 0.85% to 1.2%, stochastic rounding
+    # included); a wrong averaging factor (x2, /2) gives 50% or more.
+    "int8_gradients_relative_norm": 0.03,
 }
 
 

@@ -104,6 +104,13 @@ def _gradient_conflicts(config: LazyZeroConfig, ds_config: dict, world_size: Opt
         problems.append(Problem.conflict(
             "lazyzero.gradients.quantize", config.gradients.quantize, "'none' while zero_optimization.zero_quantized_gradients is true",
             "ZeRO++ qgZ would quantize the same gradients a second time"))
+    stage = zero.get("stage", 0) if isinstance(zero, dict) else 0
+    if (config.gradients.quantize != "none" and stage in (1, 2)
+            and isinstance(zero, dict) and zero.get("contiguous_gradients", True) is False):
+        problems.append(Problem.conflict(
+            "lazyzero.gradients.quantize", config.gradients.quantize,
+            "'none' while zero_optimization.contiguous_gradients is false on stage 1 or 2",
+            "without a contiguous bucket DeepSpeed reduces in full precision through a path int8 does not replace"))
     ranks_per_node = config.gradients.ranks_per_node
     if ranks_per_node is not None and world_size is not None and world_size % ranks_per_node:
         problems.append(Problem.bad_value(

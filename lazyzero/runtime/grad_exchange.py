@@ -1,0 +1,115 @@
+"""`GradientExchange`: the int8 gradient collectives of one engine, with per-step bookkeeping (issue 3).
+
+The ZeRO hooks (`grad_exchange_hooks.py`) call `reduce_scatter` or `all_reduce` for every gradient
+bucket instead of DeepSpeed's full-precision collective, then `finish_step` once per optimizer step.
+This object keeps what must persist across those calls:
+
+* the scratch buffers of the collectives (`ExchangeBuffers`), reused bucket after bucket;
+* the stochastic-rounding seed of each call, from the user's seed, the engine's step and the
+  call's index within the step, so every bucket of every step rounds with fresh noise that a
+  resumed run reproduces exactly (all ranks issue the same calls in the same order);
+* a device-side overflow marker: a NaN or Inf in any reduced output makes it Inf without a host
+  sync; `finish_step` turns it into one decision shared by every rank (`any_nonfinite`,
+  RELIABILITY.md row 9). One agreement per step instead of one per bucket: the decision is only
+  needed at the step, and each agreement is a blocking collective;
+* bytes sent and seconds spent, reported as the metrics of the last finished step.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from lazyzero.comm import ChunkLayout, ExchangeBuffers, any_nonfinite, quantized_all_reduce, quantized_reduce_scatter
+from lazyzero.config.models import GradientsConfig
+
+FP32_BYTES = 4
+# Strides of the (seed, step, call) triple in a call's seed: distinct triples get distinct seeds
+# for up to 2**20 bucket exchanges per step and 2**40 steps.
+_CALLS_PER_STEP = 2**20
+_STEPS_PER_SEED = 2**40
+
+
+def fp32_bytes_sent(layout: ChunkLayout, rank: int) -> int:
+    """Bytes `rank` sends in an fp32 reduce-scatter of `layout` (ring or direct reduce to each
+    owner): every element it does not own, once. The reference of the `grad_fp32_wire_bytes` metric."""
+    return FP32_BYTES * (layout.numel - layout.segment_length(rank))
+
+
+class GradientExchange:
+    """Int8 reduce-scatter and all-reduce of gradient buckets, with overflow and traffic accounting."""
+
+    def __init__(self, config: GradientsConfig, device: torch.device, current_step: Callable[[], int]):
+        """`current_step` returns the optimizer steps taken so far (restored on resume)."""
+        self.config = config
+        self.device = device
+        self._current_step = current_step
+        self._buffers = ExchangeBuffers()
+        self._reset_step()
+        self.last_step_metrics: dict = {}
+        """Metrics of the last finished optimizer step (empty before the first)."""
+
+    def reduce_scatter(
+        self, flat: torch.Tensor, group: dist.ProcessGroup | None, layout: ChunkLayout, scale: float
+    ) -> torch.Tensor:
+        """fp32: this rank's pieces of `layout`, summed over `group` and multiplied by `scale`."""
+        started = time.perf_counter()
+        result = quantized_reduce_scatter(
+            flat, group, block_size=self.config.block_size, stochastic=self.config.stochastic_rounding,
+            seed=self._next_seed(), average=False, layout=layout, buffers=self._buffers)
+        output = result.output
+        if scale != 1.0:
+            output.mul_(scale)
+        self._record(output, result.wire_bytes, fp32_bytes_sent(layout, result.plan.rank), started)
+        return output
+
+    def all_reduce(self, flat: torch.Tensor, group: dist.ProcessGroup | None, scale: float) -> torch.Tensor:
+        """fp32 of `flat`'s shape: the sum over `group` times `scale`, identical on every rank."""
+        started = time.perf_counter()
+        result = quantized_all_reduce(
+            flat, group, block_size=self.config.block_size, stochastic=self.config.stochastic_rounding,
+            seed=self._next_seed(), average=False, buffers=self._buffers)
+        output = result.output
+        if scale != 1.0:
+            output.mul_(scale)
+        plan = result.scattered.plan
+        # A ring all-reduce is a reduce-scatter followed by an all-gather of the same chunks.
+        self._record(output, result.wire_bytes, 2 * fp32_bytes_sent(plan.layout, plan.rank), started)
+        return output
+
+    def finish_step(self) -> bool:
+        """Close the optimizer step: True on every rank when any rank reduced a NaN or Inf.
+
+        A collective over all ranks; called exactly once per optimizer step, on every rank.
+        """
+        overflow = any_nonfinite(self._overflow_marker)
+        self.last_step_metrics = {
+            "grad_wire_bytes": self._wire_bytes,
+            "grad_fp32_wire_bytes": self._fp32_wire_bytes,
+            "grad_exchange_s": self._seconds,
+            "grad_overflow": overflow,
+        }
+        self._reset_step()
+        return overflow
+
+    def _next_seed(self) -> int:
+        self._calls += 1
+        step = self._current_step() % _STEPS_PER_SEED
+        return (self.config.seed * _STEPS_PER_SEED + step) * _CALLS_PER_STEP + self._calls % _CALLS_PER_STEP
+
+    def _record(self, output: torch.Tensor, wire_bytes: int, fp32_wire_bytes: int, started: float) -> None:
+        # Stays on the device: Inf added when this output holds a NaN or Inf, 0 otherwise.
+        self._overflow_marker.add_(torch.where(torch.isfinite(output).all(), 0.0, float("inf")))
+        self._wire_bytes += wire_bytes
+        self._fp32_wire_bytes += fp32_wire_bytes
+        self._seconds += time.perf_counter() - started
+
+    def _reset_step(self) -> None:
+        self._calls = 0
+        self._overflow_marker = torch.zeros(1, dtype=torch.float32, device=self.device)
+        self._wire_bytes = 0
+        self._fp32_wire_bytes = 0
+        self._seconds = 0.0

@@ -1,7 +1,7 @@
 """`LazyZeroEngine`: the DeepSpeedEngine subclass every lazyzero capability plugs into.
 
 With every feature off it adds nothing to DeepSpeed's code path, so losses equal plain DeepSpeed
-bit for bit (tests/test_engine_equivalence.py). Features attach through DeepSpeed's own hooks
+bit for bit (tests/runtime/test_engine_equivalence.py). Features attach through DeepSpeed's own hooks
 (`_configure_zero_optimizer`, `_configure_checkpointing`, ...; see shared/docs/DEEPSPEED_NOTES.md)
 as their issues land.
 """

@@ -161,10 +161,10 @@ class Trainer:
     def close(self) -> None:
         if self.log is not None:
             self.log.close()
+        # The barrier waits for collectives still in flight (ZeRO-3 prefetches) before teardown.
+        self.dist.barrier()
         self.engine.destroy()
-        if self.dist.is_initialized():
-            self.dist.barrier()
-            torch.distributed.destroy_process_group()
+        torch.distributed.destroy_process_group()
 
 
 def _whole_shards(problems: list, world: int, rank: int) -> list:

@@ -15,6 +15,7 @@ import torch
 
 import lazyzero
 from lazyzero.models import build_model
+from lazyzero.testing import destroy_engine
 
 STEPS = 5
 
@@ -52,7 +53,7 @@ def train_losses(init, setting: str, with_section: bool) -> tuple[str, list[floa
         engine.step()
         losses.append(loss.item())
     kind = type(engine).__name__
-    engine.destroy()
+    destroy_engine(engine)
     return kind, losses
 
 
@@ -61,6 +62,7 @@ def main() -> None:
     out, settings = Path(args[0]), args[1:]
     result = {}
     for setting in settings:
+        print(f"equivalence_worker: setting {setting}", flush=True)
         ds_kind, ds_losses = train_losses(deepspeed.initialize, setting, with_section=False)
         lz_kind, lz_losses = train_losses(lazyzero.initialize, setting, with_section=True)
         result[setting] = {"deepspeed": ds_losses, "lazyzero": lz_losses, "engines": [ds_kind, lz_kind]}

@@ -29,6 +29,7 @@ from deepspeed.utils import safe_get_full_grad
 
 import lazyzero
 from lazyzero.models import build_model
+from lazyzero.testing import destroy_engine
 
 STEPS = 5
 NAN_STEP = 2
@@ -149,7 +150,7 @@ def run(setting: str, quantize: str, nan_step: int | None) -> dict:
     result = {"first_gradient": first_gradient, "losses": losses, "metrics": metrics, "calls": dict(calls),
               "largest_reduced": dict(largest_reduced), "unchanged": unchanged, "finite": finite,
               "skipped_steps": engine.skipped_steps}
-    engine.destroy()
+    destroy_engine(engine)
     return result
 
 

@@ -12,6 +12,7 @@ import torch
 
 import lazyzero
 from lazyzero.models import build_model
+from lazyzero.testing import destroy_engine
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -47,7 +48,7 @@ def main() -> None:
     record = {"losses": losses, "files_during_run": files,
               "param_dtype": str(next(engine.module.parameters()).dtype)}
     (out / f"rank{engine.global_rank}.json").write_text(json.dumps(record))
-    engine.destroy()
+    destroy_engine(engine)
     torch.distributed.destroy_process_group()
 
 

@@ -53,23 +53,25 @@ def distributed_env(threads_per_rank: int = 1) -> dict:
     return env
 
 
-def launch_command(launcher: str, nprocs: int, argv: list[str]) -> list[str]:
-    """The command line that starts `argv` (a python script and its arguments) on `nprocs` local ranks."""
+def launch_command(launcher: str, nprocs: int, argv: list[str], launcher_args: tuple[str, ...] = ()) -> list[str]:
+    """The command line that starts `argv` (a python script and its arguments) on `nprocs` local ranks;
+    `launcher_args` go to the launcher itself (e.g. a hostfile)."""
     import sys
 
     if launcher == "deepspeed":
-        return ["deepspeed", "--num_gpus", str(nprocs), "--master_port", str(free_port()), *argv]
+        return ["deepspeed", "--num_gpus", str(nprocs), "--master_port", str(free_port()), *launcher_args, *argv]
     if launcher == "mpirun":
         return ["mpirun", "-n", str(nprocs), "--oversubscribe", "-x", "MASTER_PORT=" + str(free_port()),
-                sys.executable, *argv]
+                *launcher_args, sys.executable, *argv]
     raise ValueError(f"launcher: got {launcher!r}; allowed: 'deepspeed', 'mpirun'")
 
 
-def run_distributed(launcher: str, nprocs: int, argv: list[str], timeout: float = 600, cwd=None):
+def run_distributed(launcher: str, nprocs: int, argv: list[str], timeout: float = 600, cwd=None,
+                    launcher_args: tuple[str, ...] = ()):
     """Run `argv` on `nprocs` real ranks and return the CompletedProcess (stdout and stderr merged)."""
     import subprocess
 
-    cmd = launch_command(launcher, nprocs, argv)
+    cmd = launch_command(launcher, nprocs, argv, launcher_args)
     return subprocess.run(cmd, env=distributed_env(), cwd=cwd, timeout=timeout, text=True,
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
 

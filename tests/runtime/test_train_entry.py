@@ -59,8 +59,11 @@ def test_deepspeed_launcher_run_logs_reports_saves_and_resumes_exactly(tmp_path)
 
 
 @pytest.mark.multiproc
-def test_mpirun_runs_the_entry_point(tmp_path):
-    proc = run_distributed("mpirun", 2, _train_argv(tmp_path, "--max-steps", "3"), cwd=ROOT)
+def test_mpirun_with_a_hostfile_runs_the_entry_point(tmp_path):
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("localhost slots=2\n")
+    proc = run_distributed("mpirun", 2, _train_argv(tmp_path, "--max-steps", "3"), cwd=ROOT,
+                           launcher_args=("--hostfile", str(hostfile), "-x", "MASTER_ADDR=127.0.0.1"))
     assert proc.returncode == 0, proc.stdout[-4000:]
     assert sorted(_losses(tmp_path)) == [1, 2, 3]
     assert json.loads((tmp_path / "report.json").read_text())["world_size"] == 2

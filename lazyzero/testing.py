@@ -89,3 +89,10 @@ def destroy_engine(engine) -> None:
     dist.barrier()
     engine.destroy()
     gc.collect()
+
+
+def worker_args() -> list[str]:
+    """A test worker's own arguments: sys.argv without the --local_rank=N the deepspeed launcher adds."""
+    import sys
+
+    return [a for a in sys.argv[1:] if not a.startswith("--local_rank")]

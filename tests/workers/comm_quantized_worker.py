@@ -9,7 +9,6 @@ the scales it received. The test (tests/comm/test_quantized_collectives.py) asse
 
 import hashlib
 import json
-import sys
 from pathlib import Path
 
 import deepspeed
@@ -24,6 +23,7 @@ from lazyzero.comm import (
     quantized_reduce_scatter,
 )
 from lazyzero.ops import build
+from lazyzero.testing import worker_args
 
 BLOCK = 256
 ODD_SIZES = (0, 1, 3, 7, BLOCK - 1, BLOCK + 1, 4097, 100003)
@@ -253,7 +253,7 @@ def wire_cases(rank: int, world: int) -> dict:
 
 
 def main() -> None:
-    args = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]
+    args = worker_args()
     out = Path(args[0])
     deepspeed.init_distributed(dist_backend="gloo")
     rank, world = dist.get_rank(), dist.get_world_size()

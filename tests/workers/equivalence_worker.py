@@ -7,7 +7,6 @@ optimizer state and parameters).
 """
 
 import json
-import sys
 from pathlib import Path
 
 import deepspeed
@@ -15,7 +14,7 @@ import torch
 
 import lazyzero
 from lazyzero.models import build_model
-from lazyzero.testing import destroy_engine
+from lazyzero.testing import destroy_engine, worker_args
 
 STEPS = 5
 
@@ -58,7 +57,7 @@ def train_losses(init, setting: str, with_section: bool) -> tuple[str, list[floa
 
 
 def main() -> None:
-    args = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]
+    args = worker_args()
     out, settings = Path(args[0]), args[1:]
     result = {}
     for setting in settings:

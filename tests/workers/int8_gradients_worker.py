@@ -15,7 +15,6 @@ tensor the latter reduced.
 """
 
 import json
-import sys
 from collections import Counter
 from pathlib import Path
 
@@ -29,7 +28,7 @@ from deepspeed.utils import safe_get_full_grad
 
 import lazyzero
 from lazyzero.models import build_model
-from lazyzero.testing import destroy_engine
+from lazyzero.testing import destroy_engine, worker_args
 
 STEPS = 5
 NAN_STEP = 2
@@ -169,7 +168,7 @@ def refusal_without_contiguous_gradients() -> str:
 
 def main() -> None:
     wrap_reductions()
-    args = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]
+    args = worker_args()
     out, settings = Path(args[0]), args[1:]
     result = {}
     for setting in settings:

@@ -5,14 +5,13 @@ Usage (under a launcher): nvme_worker.py OUT
 """
 
 import json
-import sys
 from pathlib import Path
 
 import torch
 
 import lazyzero
 from lazyzero.models import build_model
-from lazyzero.testing import destroy_engine
+from lazyzero.testing import destroy_engine, worker_args
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -28,7 +27,7 @@ def wide_model_config(out: Path) -> Path:
 
 
 def main() -> None:
-    out = Path([a for a in sys.argv[1:] if not a.startswith("--local_rank")][0])
+    out = Path(worker_args()[0])
     config = json.loads((ROOT / "ds_configs" / "cpu_zero3_nvme.json").read_text())
     nvme = out / "nvme"
     for section in ("offload_param", "offload_optimizer"):

@@ -89,10 +89,11 @@ def machine_info() -> dict[str, object]:
 
 
 def write_results(
-    path: Path | None, benchmark: str, quick: bool, results: dict[str, float]
+    path: Path | None, benchmark: str, quick: bool, results: dict[str, float], details: dict | None = None
 ) -> dict[str, object]:
-    """Print the results, and write them with the machine description to `path` when given."""
-    document = {"benchmark": benchmark, "quick": quick, **results, "machine": machine_info()}
+    """Print the results, and write them with `details` (nested, not printed; the README table
+    reads only top-level numbers) and the machine description to `path` when given."""
+    document = {"benchmark": benchmark, "quick": quick, **results, **(details or {}), "machine": machine_info()}
     for key, value in results.items():
         print(f"{key:>20}  {value:10.3f}")
     if path is not None:

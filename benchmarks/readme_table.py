@@ -23,6 +23,8 @@ README = ROOT / "README.md"
 # benchmark -> key -> (comparison, bound), from the issue that asked for the benchmark.
 TARGETS = {
     "bench_quant": {"quant_vs_memcpy": (">=", 0.5), "quant_vs_ref": (">=", 4.0)},
+    "bench_grad_comm": {"wire_ratio_vs_fp32": ("<=", 0.27), "time_ratio_vs_fp32": ("<=", 0.6)},
+    "bench_int8_convergence": {"loss_ratio_stage2": ("<=", 1.02), "loss_ratio_stage3": ("<=", 1.02)},
 }
 _COMPARE = {">=": operator.ge, "<=": operator.le}
 

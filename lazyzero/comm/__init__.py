@@ -2,11 +2,12 @@
 
 `quantized_reduce_scatter` sends each owner its rows as block-wise int8 codes plus fp32 scales and
 sums what it receives in fp32; `quantized_all_reduce` follows it with an all-gather of the
-requantized int8 chunks. `any_nonfinite` lets every rank agree on overflow, and the error bounds
+requantized int8 chunks. `two_hop_reduce_scatter` reduces inside nodes first, then across them
+(`build_node_groups`). `any_nonfinite` lets every rank agree on overflow, and the error bounds
 of RELIABILITY.md row 8 are computed from the scales (`ReduceScatterResult.error_bound`).
 """
 
-from lazyzero.comm.error_bound import all_reduce_error_bound, reduce_scatter_error_bound
+from lazyzero.comm.error_bound import reduce_scatter_error_bound, requantization_error_bound
 from lazyzero.comm.layout import ChunkLayout, deepspeed_chunk_length
 from lazyzero.comm.nonfinite import any_nonfinite
 from lazyzero.comm.quantized_all_reduce import AllReduceResult, quantized_all_reduce
@@ -15,16 +16,21 @@ from lazyzero.comm.quantized_reduce_scatter import (
     ReduceScatterResult,
     quantized_reduce_scatter,
 )
+from lazyzero.comm.two_hop import NodeGroups, TwoHopResult, build_node_groups, two_hop_reduce_scatter
 
 __all__ = [
     "AllReduceResult",
     "ChunkLayout",
     "ExchangeBuffers",
+    "NodeGroups",
     "ReduceScatterResult",
-    "all_reduce_error_bound",
+    "TwoHopResult",
+    "build_node_groups",
     "any_nonfinite",
     "deepspeed_chunk_length",
     "quantized_all_reduce",
     "quantized_reduce_scatter",
     "reduce_scatter_error_bound",
+    "requantization_error_bound",
+    "two_hop_reduce_scatter",
 ]

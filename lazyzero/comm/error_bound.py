@@ -54,19 +54,10 @@ def reduce_scatter_error_bound(
     return _per_element(per_block, block_size, numel)
 
 
-def all_reduce_error_bound(
-    received_scales: torch.Tensor,
-    requantized_scales: torch.Tensor,
-    block_size: int,
-    numel: int,
-    *,
-    alpha: float,
-    stochastic: bool,
+def requantization_error_bound(
+    requantized_scales: torch.Tensor, block_size: int, numel: int, *, stochastic: bool
 ) -> torch.Tensor:
-    """fp64 [numel] bound for an owner's chunk after all-reduce: reduce-scatter bound plus the
-    requantization error of that chunk (requantized_scales: fp32 [blocks], the owner's)."""
-    scattered = reduce_scatter_error_bound(
-        received_scales, block_size, numel, alpha=alpha, stochastic=stochastic
-    )
+    """fp64 [numel] bound on the error that requantizing a reduced chunk adds (all-reduce's second
+    hop), from the chunk's block scales (fp32 [blocks])."""
     requantization = requantized_scales.to(torch.float64) * quantization_step(stochastic)
-    return scattered + _per_element(requantization, block_size, numel)
+    return _per_element(requantization, block_size, numel)

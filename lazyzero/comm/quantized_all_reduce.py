@@ -9,10 +9,11 @@ full-precision all-reduce would leave them.
 Cost of the second hop: the requantization rounds once more, adding at most half a code step of
 the reduced chunk's block scale s' (one step with stochastic rounding) to the reduce-scatter bound:
 |output - alpha * exact sum| <= alpha * sum_k s_k * (1/2 + ...) + s' * (1/2 + ...)
-(`error_bound.all_reduce_error_bound`). s' = absmax of the reduced block / 127, which is at most
+(`error_bound.requantization_error_bound`). s' = absmax of the reduced block / 127, which is at most
 alpha * sum_k absmax_k / 127 = alpha * sum_k s_k: the extra error is no larger than the first.
 Error feedback (`residual`) covers the first quantization only; the requantization error is not
-carried.
+carried. With `nodes` the reduce-scatter takes two hops (`two_hop.py`); the all-gather is one
+exchange over the whole group either way.
 """
 
 from __future__ import annotations
@@ -22,14 +23,16 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from lazyzero.comm.error_bound import all_reduce_error_bound
+from lazyzero.comm.error_bound import requantization_error_bound
 from lazyzero.comm.quantized_reduce_scatter import (
     ExchangeBuffers,
     ExchangePlan,
     ReduceScatterResult,
+    make_plan,
     quantized_reduce_scatter,
     wire_bytes_per_row_set,
 )
+from lazyzero.comm.two_hop import NodeGroups, TwoHopResult, two_hop_reduce_scatter
 from lazyzero.ops.quant import DEFAULT_BLOCK_SIZE, BlockQuantized, dequantize_blockwise
 
 # torch 2.13 renamed all_gather_into_tensor (now deprecated) to all_gather_single; torch >= 2.4 is
@@ -43,7 +46,9 @@ class AllReduceResult:
 
     output: torch.Tensor
     """fp32, the shape of the input: the sum (or average) over ranks."""
-    scattered: ReduceScatterResult
+    plan: ExchangePlan
+    """The all-gather's plan: the whole group, DeepSpeed's chunking."""
+    scattered: ReduceScatterResult | TwoHopResult
     """This rank's chunk after the reduce-scatter, before requantization."""
     requantized_scales: torch.Tensor
     """fp32 [W, blocks per chunk]: the scale of every block of every owner's requantized chunk."""
@@ -54,30 +59,35 @@ class AllReduceResult:
 
     def owned_slice(self) -> slice:
         """Where this rank's chunk lies in `output`."""
-        plan = self.scattered.plan
-        ((offset, length),) = plan.layout.pieces[plan.rank]
+        ((offset, length),) = self.plan.layout.pieces[self.plan.rank]
         return slice(offset, offset + length)
 
     def owned_error_bound(self) -> torch.Tensor:
-        """fp64 bound on |output[owned_slice()] - alpha * exact sum|, per element."""
-        plan = self.scattered.plan
-        return all_reduce_error_bound(
-            self.scattered.received_scales,
-            self.requantized_scales[plan.rank],
-            plan.block_size,
-            self.scattered.output.numel(),
-            alpha=plan.alpha,
-            stochastic=plan.stochastic,
-        )
+        """fp64 bound on |output[owned_slice()] - alpha * exact sum|, per element (a collective
+        over the cross-node group with two hops, see `TwoHopResult.error_bound`)."""
+        plan = self.plan
+        return self.scattered.error_bound() + requantization_error_bound(
+            self.requantized_scales[plan.rank], plan.block_size, self.scattered.output.numel(),
+            stochastic=plan.stochastic)
 
 
-def _gather_chunks(
-    scattered: ReduceScatterResult, buffers: ExchangeBuffers
-) -> tuple[torch.Tensor, torch.Tensor]:
+def _own_row(scattered: ReduceScatterResult | TwoHopResult, plan: ExchangePlan,
+             buffers: ExchangeBuffers) -> torch.Tensor:
+    """This rank's reduced chunk zero-padded to the all-gather's row length."""
+    if isinstance(scattered, ReduceScatterResult):
+        return scattered.row
+    row = buffers.take("own_row", plan.row_length, torch.float32, scattered.output.device)
+    length = scattered.output.numel()
+    row[:length].copy_(scattered.output)
+    row[length:].zero_()
+    return row
+
+
+def _gather_chunks(row: torch.Tensor, plan: ExchangePlan, buffers: ExchangeBuffers
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """Requantize this rank's reduced row and all-gather every rank's codes and scales."""
-    plan = scattered.plan
-    own = plan.quantize(scattered.row, phase=1, buffers=buffers)
-    device = scattered.row.device
+    own = plan.quantize(row, phase=1, buffers=buffers)
+    device = row.device
     codes = buffers.take("gathered_codes", plan.world_size * plan.row_length, torch.int8, device)
     scales = torch.empty(plan.world_size, plan.blocks_per_row, dtype=torch.float32, device=device)
     pending = [
@@ -113,28 +123,33 @@ def quantized_all_reduce(
     stochastic: bool = False,
     seed: int = 0,
     average: bool = True,
+    scale: float | None = None,
     residual: torch.Tensor | None = None,
     buffers: ExchangeBuffers | None = None,
+    nodes: NodeGroups | None = None,
 ) -> AllReduceResult:
     """All-reduce `flat` (1-D fp32/bf16/fp16) over `group` with int8 codes on the wire both ways.
 
     A collective; options as in `quantized_reduce_scatter` (the same `seed` feeds both roundings,
-    in distinct streams). Returns the fp32 sum, or average when `average`, identical on all ranks.
+    in distinct streams). Returns the fp32 sum, or average when `average`, or times `scale`,
+    identical on all ranks. `nodes` (built for `group`) reduces in two hops.
     """
     buffers = buffers if buffers is not None else ExchangeBuffers()
-    scattered = quantized_reduce_scatter(
-        flat, group, block_size=block_size, stochastic=stochastic, seed=seed, average=average,
-        residual=residual, buffers=buffers,
-    )
-    plan = scattered.plan
+    plan = make_plan(flat.numel(), group, None, block_size, stochastic, seed, average, scale)
+    options = dict(block_size=block_size, stochastic=stochastic, seed=seed, residual=residual, buffers=buffers)
+    if nodes is None:
+        scattered = quantized_reduce_scatter(flat, group, scale=plan.alpha, **options)
+    else:
+        scattered = two_hop_reduce_scatter(flat, nodes, layout=plan.layout, scale=plan.alpha, **options)
     if plan.row_length == 0:
         codes = torch.empty(0, dtype=torch.int8, device=flat.device)
         scales = torch.empty(plan.world_size, 0, dtype=torch.float32, device=flat.device)
     else:
-        codes, scales = _gather_chunks(scattered, buffers)
+        codes, scales = _gather_chunks(_own_row(scattered, plan, buffers), plan, buffers)
     gather_bytes = wire_bytes_per_row_set(plan.world_size, plan.row_length, block_size)
     return AllReduceResult(
         output=_dequantize_chunks(codes, scales, plan, flat.numel()),
+        plan=plan,
         scattered=scattered,
         requantized_scales=scales,
         wire_bytes=scattered.wire_bytes + gather_bytes,

@@ -139,8 +139,10 @@ def make_plan(
     stochastic: bool,
     seed: int,
     average: bool,
+    scale: float | None = None,
 ) -> ExchangePlan:
-    """The plan of one collective call; `layout` defaults to DeepSpeed's chunking."""
+    """The plan of one collective call; `layout` defaults to DeepSpeed's chunking; the sum is
+    multiplied by `scale`, or by 1/W when `average` and 1 otherwise."""
     if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size <= 0:
         raise ValueError(f"block_size must be a positive int, got {block_size!r}")
     world_size = dist.get_world_size(group)
@@ -152,7 +154,7 @@ def make_plan(
         block_size=block_size,
         stochastic=stochastic,
         seed=seed,
-        alpha=1.0 / world_size if average else 1.0,
+        alpha=scale if scale is not None else (1.0 / world_size if average else 1.0),
     )
 
 
@@ -253,6 +255,7 @@ def quantized_reduce_scatter(
     stochastic: bool = False,
     seed: int = 0,
     average: bool = True,
+    scale: float | None = None,
     residual: torch.Tensor | None = None,
     layout: ChunkLayout | None = None,
     buffers: ExchangeBuffers | None = None,
@@ -261,12 +264,13 @@ def quantized_reduce_scatter(
 
     A collective: every rank calls it with the same size, layout and options. `layout` says which
     elements each rank owns (default: DeepSpeed's chunking, `ChunkLayout.even`). The result holds
-    this rank's reduced elements in fp32, averaged over the group when `average`. `seed` makes
+    this rank's reduced elements in fp32, averaged over the group when `average`, or multiplied by
+    `scale` when given (in the fused sum: no second pass over the output). `seed` makes
     stochastic rounding reproducible (each rank derives its own stream from it). `residual`
     (fp32, shape of `flat`) turns on error feedback and is updated in place. `buffers` keeps the
     scratch tensors between calls.
     """
-    plan = make_plan(flat.numel(), group, layout, block_size, stochastic, seed, average)
+    plan = make_plan(flat.numel(), group, layout, block_size, stochastic, seed, average, scale)
     _check_inputs(flat, residual, plan.layout, plan.world_size)
     row = torch.empty(plan.row_length, dtype=torch.float32, device=flat.device)
     received_scales = torch.empty(

@@ -111,6 +111,10 @@ def _gradient_conflicts(config: LazyZeroConfig, ds_config: dict, world_size: Opt
             "lazyzero.gradients.quantize", config.gradients.quantize,
             "'none' while zero_optimization.contiguous_gradients is false on stage 1 or 2",
             "without a contiguous bucket DeepSpeed reduces in full precision through a path int8 does not replace"))
+    if config.gradients.error_feedback and config.gradients.quantize == "none":
+        problems.append(Problem.bad_value(
+            "lazyzero.gradients.error_feedback", True,
+            "false while lazyzero.gradients.quantize is 'none' (it carries the int8 rounding error)"))
     ranks_per_node = config.gradients.ranks_per_node
     if ranks_per_node is not None and world_size is not None and world_size % ranks_per_node:
         problems.append(Problem.bad_value(

@@ -15,7 +15,7 @@ from lazyzero import __version__
 from lazyzero.config.errors import render_value
 from lazyzero.config.fieldtypes import describe_allowed
 from lazyzero.config.models import FEATURE_SWITCHES, LazyZeroConfig, is_switched_on
-from lazyzero.config.release import NOT_YET_AVAILABLE, OPTIONS_NOT_YET_AVAILABLE
+from lazyzero.config.release import NOT_YET_AVAILABLE
 
 
 def config_reference_markdown() -> str:
@@ -43,10 +43,6 @@ def _section_markdown(name: str, model: type[BaseModel]) -> str:
         if section == name:
             lines += ["", f"Not available in lazyzero {__version__} yet (issue {issue}): "
                           f"`{switch}` must stay `{json.dumps(value_allowed_now)}`."]
-    for key_path, (value_allowed_now, issue, missing) in OPTIONS_NOT_YET_AVAILABLE.items():
-        section, option = key_path.split(".")
-        if section == name:
-            lines += ["", f"`{option}` must stay `{json.dumps(value_allowed_now)}` for now (issue {issue}): {missing}."]
     lines += ["", "| key | allowed values | default | description |", "|---|---|---|---|"]
     for field_name, field in model.model_fields.items():
         cells = [f"`{field_name}`", describe_allowed(field.annotation, tuple(field.metadata)),

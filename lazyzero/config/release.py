@@ -18,19 +18,10 @@ NOT_YET_AVAILABLE = {
     "checkpoint.mode": ("deepspeed", 4),
 }
 
-# Options of a released capability whose runtime has not landed yet:
-# key path -> (the only value allowed for now, issue that implements it, what is missing)
-OPTIONS_NOT_YET_AVAILABLE = {
-    "gradients.error_feedback": (False, 3, "the per-rank residual is not carried in checkpoints yet"),
-    "gradients.ranks_per_node": (None, 3, "the two-hop exchange across nodes is not implemented yet"),
-}
-
 
 def release_gate_problems(config: LazyZeroConfig) -> list[Problem]:
-    """One problem per capability, or option of one, switched on before its runtime exists."""
+    """One problem per capability switched on before its runtime exists."""
     gated = [(key_path, allowed, f"issue {issue}") for key_path, (allowed, issue) in NOT_YET_AVAILABLE.items()]
-    gated += [(key_path, allowed, f"issue {issue}: {missing}")
-              for key_path, (allowed, issue, missing) in OPTIONS_NOT_YET_AVAILABLE.items()]
     problems = []
     for key_path, value_allowed_now, why in gated:
         section, field = key_path.split(".")

@@ -8,11 +8,15 @@ as their issues land.
 
 from __future__ import annotations
 
+import os
+
 from deepspeed.runtime.engine import DeepSpeedEngine
-from deepspeed.utils import log_dist
+from deepspeed.utils import logger
+from deepspeed.utils.logging import print_dist
 
 from lazyzero.config import LazyZeroConfig
 from lazyzero.runtime.grad_exchange_hooks import install_int8_gradients
+from lazyzero.runtime.rank_state import load_rank_state, save_rank_state
 
 
 class LazyZeroEngine(DeepSpeedEngine):
@@ -28,7 +32,7 @@ class LazyZeroEngine(DeepSpeedEngine):
             # Installed after construction: no gradient is reduced before the first backward.
             self._gradient_exchange = install_int8_gradients(self)
         features = lazyzero_config.enabled_features()
-        log_dist(f"lazyzero: features on: {', '.join(features) if features else 'none'}", ranks=[0])
+        print_dist(f"lazyzero: features on: {', '.join(features) if features else 'none'}", ranks=[0])
 
     def lazyzero_step_metrics(self) -> dict:
         """Per-step figures that lazyzero features add to the training log (none while all are off).
@@ -40,3 +44,37 @@ class LazyZeroEngine(DeepSpeedEngine):
         if self._gradient_exchange is None:
             return {}
         return dict(self._gradient_exchange.last_step_metrics)
+
+    def save_checkpoint(self, save_dir, tag=None, client_state={}, save_latest=True, **kwargs):
+        """DeepSpeed's checkpoint, plus this rank's lazyzero state (`rank_state.py`) when a
+        feature keeps any, written first so that 'latest' never names a checkpoint without it."""
+        features = self._lazyzero_rank_state()
+        if features:
+            tag = f"global_step{self.global_steps}" if tag is None else tag
+            save_rank_state(os.path.join(save_dir, str(tag)), self.global_rank, self.world_size, features)
+        return super().save_checkpoint(save_dir, tag=tag, client_state=client_state, save_latest=save_latest,
+                                       **kwargs)
+
+    def load_checkpoint(self, load_dir, tag=None, load_optimizer_states=True, load_module_only=False, **kwargs):
+        """DeepSpeed's load, then this rank's lazyzero state when the optimizer state is loaded."""
+        load_path, client_state = super().load_checkpoint(
+            load_dir, tag=tag, load_optimizer_states=load_optimizer_states, load_module_only=load_module_only,
+            **kwargs)
+        if load_path is not None and load_optimizer_states and not load_module_only:
+            self._restore_lazyzero_rank_state(os.path.dirname(load_path))
+        return load_path, client_state
+
+    def _keeps_rank_state(self) -> bool:
+        return self._gradient_exchange is not None and self._gradient_exchange.error_feedback is not None
+
+    def _lazyzero_rank_state(self) -> dict:
+        return {"gradients": self._gradient_exchange.state_dict()} if self._keeps_rank_state() else {}
+
+    def _restore_lazyzero_rank_state(self, tag_dir: str) -> None:
+        if not self._keeps_rank_state():
+            return
+        features, why_not = load_rank_state(tag_dir, self.global_rank, self.world_size)
+        if features is None:
+            logger.warning(f"lazyzero: {why_not}; the int8 gradient error-feedback residuals restart from zero")
+            return
+        self._gradient_exchange.load_state_dict(features.get("gradients"))

@@ -12,7 +12,9 @@ This object keeps what must persist across those calls:
   sync; `finish_step` turns it into one decision shared by every rank (`any_nonfinite`,
   RELIABILITY.md row 9). One agreement per step instead of one per bucket: the decision is only
   needed at the step, and each agreement is a blocking collective;
-* bytes sent and seconds spent, reported as the metrics of the last finished step.
+* bytes sent and seconds spent, reported as the metrics of the last finished step;
+* with error feedback, one fp32 residual per exchange call of a step (`ErrorFeedback`), carried to
+  the same call of the next step and saved in checkpoints.
 """
 
 from __future__ import annotations
@@ -23,8 +25,17 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from lazyzero.comm import ChunkLayout, ExchangeBuffers, any_nonfinite, quantized_all_reduce, quantized_reduce_scatter
+from lazyzero.comm import (
+    ChunkLayout,
+    ExchangeBuffers,
+    NodeGroups,
+    any_nonfinite,
+    quantized_all_reduce,
+    quantized_reduce_scatter,
+    two_hop_reduce_scatter,
+)
 from lazyzero.config.models import GradientsConfig
+from lazyzero.runtime.error_feedback import ErrorFeedback
 
 FP32_BYTES = 4
 # Strides of the (seed, step, call) triple in a call's seed: distinct triples get distinct seeds
@@ -42,12 +53,24 @@ def fp32_bytes_sent(layout: ChunkLayout, rank: int) -> int:
 class GradientExchange:
     """Int8 reduce-scatter and all-reduce of gradient buckets, with overflow and traffic accounting."""
 
-    def __init__(self, config: GradientsConfig, device: torch.device, current_step: Callable[[], int]):
-        """`current_step` returns the optimizer steps taken so far (restored on resume)."""
+    def __init__(
+        self,
+        config: GradientsConfig,
+        device: torch.device,
+        current_step: Callable[[], int],
+        loss_scale: Callable[[], float] = lambda: 1.0,
+        nodes: NodeGroups | None = None,
+    ):
+        """`current_step` returns the optimizer steps taken so far (restored on resume);
+        `loss_scale` the factor the gradients being reduced carry (the residuals are rescaled
+        when it changes); `nodes`, when set, makes exchanges over its group take two hops."""
         self.config = config
+        self.nodes = nodes
+        self._group_ranks: dict[int, list[int]] = {}
         self.device = device
         self._current_step = current_step
         self._buffers = ExchangeBuffers()
+        self.error_feedback = ErrorFeedback(loss_scale) if config.error_feedback else None
         self._reset_step()
         self.last_step_metrics: dict = {}
         """Metrics of the last finished optimizer step (empty before the first)."""
@@ -57,28 +80,31 @@ class GradientExchange:
     ) -> torch.Tensor:
         """fp32: this rank's pieces of `layout`, summed over `group` and multiplied by `scale`."""
         started = time.perf_counter()
-        result = quantized_reduce_scatter(
-            flat, group, block_size=self.config.block_size, stochastic=self.config.stochastic_rounding,
-            seed=self._next_seed(), average=False, layout=layout, buffers=self._buffers)
-        output = result.output
-        if scale != 1.0:
-            output.mul_(scale)
-        self._record(output, result.wire_bytes, fp32_bytes_sent(layout, result.plan.rank), started)
-        return output
+        call = self._next_call()
+        options = dict(block_size=self.config.block_size, stochastic=self.config.stochastic_rounding,
+                       seed=self._seed(call), scale=scale, residual=self._residual(call, flat), layout=layout,
+                       buffers=self._buffers)
+        if self._two_hop(group):
+            result = two_hop_reduce_scatter(flat, self.nodes, **options)
+            rank = result.rank
+        else:
+            result = quantized_reduce_scatter(flat, group, **options)
+            rank = result.plan.rank
+        self._record(result.output, result.wire_bytes, fp32_bytes_sent(layout, rank), started)
+        return result.output
 
     def all_reduce(self, flat: torch.Tensor, group: dist.ProcessGroup | None, scale: float) -> torch.Tensor:
         """fp32 of `flat`'s shape: the sum over `group` times `scale`, identical on every rank."""
         started = time.perf_counter()
+        call = self._next_call()
         result = quantized_all_reduce(
             flat, group, block_size=self.config.block_size, stochastic=self.config.stochastic_rounding,
-            seed=self._next_seed(), average=False, buffers=self._buffers)
-        output = result.output
-        if scale != 1.0:
-            output.mul_(scale)
-        plan = result.scattered.plan
+            seed=self._seed(call), scale=scale, residual=self._residual(call, flat), buffers=self._buffers,
+            nodes=self.nodes if self._two_hop(group) else None)
+        plan = result.plan
         # A ring all-reduce is a reduce-scatter followed by an all-gather of the same chunks.
-        self._record(output, result.wire_bytes, 2 * fp32_bytes_sent(plan.layout, plan.rank), started)
-        return output
+        self._record(result.output, result.wire_bytes, 2 * fp32_bytes_sent(plan.layout, plan.rank), started)
+        return result.output
 
     def finish_step(self) -> bool:
         """Close the optimizer step: True on every rank when any rank reduced a NaN or Inf.
@@ -86,6 +112,8 @@ class GradientExchange:
         A collective over all ranks; called exactly once per optimizer step, on every rank.
         """
         overflow = any_nonfinite(self._overflow_marker)
+        if overflow and self.error_feedback is not None:
+            self.error_feedback.discard()
         self.last_step_metrics = {
             "grad_wire_bytes": self._wire_bytes,
             "grad_fp32_wire_bytes": self._fp32_wire_bytes,
@@ -95,10 +123,41 @@ class GradientExchange:
         self._reset_step()
         return overflow
 
-    def _next_seed(self) -> int:
+    def state_dict(self) -> dict | None:
+        """What a resumed run needs to round as this one would: the error-feedback residuals
+        (None without error feedback; seeds derive from the step, which DeepSpeed restores)."""
+        return None if self.error_feedback is None else self.error_feedback.state_dict()
+
+    def load_state_dict(self, state: dict | None) -> None:
+        if self.error_feedback is not None and state is not None:
+            self.error_feedback.load_state_dict(state, self.device)
+
+    def _two_hop(self, group: dist.ProcessGroup | None) -> bool:
+        """True when `group` is the one the node groups were built for (same ranks)."""
+        if self.nodes is None:
+            return False
+        key = id(group)
+        if key not in self._group_ranks:
+            self._group_ranks[key] = _ranks_of(group)
+        if self._group_ranks[key] != _ranks_of(self.nodes.group):
+            raise NotImplementedError(
+                f"lazyzero.gradients: a gradient exchange over ranks {self._group_ranks[key]}, not the data-parallel "
+                "group the two-hop layout was built for; set lazyzero.gradients.ranks_per_node to 1 for one hop")
+        return True
+
+    def _next_call(self) -> int:
+        """Index of this exchange within the optimizer step, from 0."""
         self._calls += 1
+        return self._calls - 1
+
+    def _seed(self, call: int) -> int:
         step = self._current_step() % _STEPS_PER_SEED
-        return (self.config.seed * _STEPS_PER_SEED + step) * _CALLS_PER_STEP + self._calls % _CALLS_PER_STEP
+        return (self.config.seed * _STEPS_PER_SEED + step) * _CALLS_PER_STEP + (call + 1) % _CALLS_PER_STEP
+
+    def _residual(self, call: int, flat: torch.Tensor) -> torch.Tensor | None:
+        if self.error_feedback is None:
+            return None
+        return self.error_feedback.residual(call, flat.numel(), flat.device)
 
     def _record(self, output: torch.Tensor, wire_bytes: int, fp32_wire_bytes: int, started: float) -> None:
         # Stays on the device: Inf added when this output holds a NaN or Inf, 0 otherwise.
@@ -113,3 +172,7 @@ class GradientExchange:
         self._wire_bytes = 0
         self._fp32_wire_bytes = 0
         self._seconds = 0.0
+
+
+def _ranks_of(group: dist.ProcessGroup | None) -> list[int]:
+    return dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))

@@ -17,6 +17,8 @@ The optimizer step is guarded on every stage (`_install_step_guard`): an overflo
 rank skips the step on every rank, through the ZeRO optimizers' own overflow path where they
 have one (`_update_scale`, which also lowers a dynamic loss scale).
 
+With several nodes (`node_layout.py`) each exchange takes two hops, inside nodes then across.
+
 The exchanges run on the current stream: with `overlap_comm` they do not overlap the backward.
 """
 
@@ -29,17 +31,22 @@ import torch.distributed as dist
 from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
 from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+from deepspeed.utils.logging import print_dist
 
 from lazyzero.comm import ChunkLayout
 from lazyzero.runtime.grad_exchange import GradientExchange
+from lazyzero.runtime.node_layout import node_groups_for
 
 _STAGE3_PREFIX = "_DeepSpeedZeroOptimizer_Stage3__"
 
 
 def install_int8_gradients(engine) -> GradientExchange:
     """Route `engine`'s gradient reduction through int8 collectives; returns the exchange."""
-    exchange = GradientExchange(engine.lazyzero_config.gradients, engine.device, lambda: engine.global_steps)
     optimizer = engine.optimizer
+    config = engine.lazyzero_config.gradients
+    nodes = node_groups_for(data_parallel_group(engine), config.ranks_per_node, engine.device)
+    exchange = GradientExchange(config, engine.device, lambda: engine.global_steps,
+                                loss_scale=lambda: current_loss_scale(optimizer), nodes=nodes)
     if isinstance(optimizer, DeepSpeedZeroOptimizer_Stage3):
         _install_stage3(optimizer, exchange)
     elif isinstance(optimizer, DeepSpeedZeroOptimizer):
@@ -51,7 +58,23 @@ def install_int8_gradients(engine) -> GradientExchange:
             f"lazyzero.gradients.quantize 'int8': no int8 path for optimizer {type(optimizer).__name__} "
             f"at zero_optimization.stage {engine.zero_optimization_stage()}")
     _install_step_guard(optimizer, exchange)
+    hops = (f"two hops ({nodes.nodes} nodes x {nodes.ranks_per_node} ranks: inside nodes, then across)"
+            if nodes is not None else "one hop")
+    print_dist(f"lazyzero: int8 gradient exchange in {hops}, block size {config.block_size}", ranks=[0])
     return exchange
+
+
+def data_parallel_group(engine):
+    """The group the engine's gradient buckets are reduced over: the ZeRO optimizer's, or the
+    engine's at stage 0."""
+    return getattr(engine.optimizer, "dp_process_group", None) or engine.seq_data_parallel_group
+
+
+def current_loss_scale(optimizer) -> float:
+    """The factor the gradients being reduced carry: the fp16 loss scale, 1 without one (fp32 and
+    bf16 optimizers, torch optimizers)."""
+    scale = getattr(optimizer, "loss_scale", None)
+    return float(scale) if isinstance(scale, (int, float)) or torch.is_tensor(scale) else 1.0
 
 
 # ---------------------------------------------------------------------------------- stage 3

@@ -48,6 +48,7 @@ def initialize(
     from deepspeed.runtime.config import DeepSpeedConfig
 
     from lazyzero.runtime.engine import LazyZeroEngine
+    from lazyzero.runtime.shm_segments import release_own_segment_name
 
     if isinstance(model, PipelineModule):
         raise ValueError("lazyzero does not support PipelineModule models; use deepspeed.initialize for pipeline parallelism")
@@ -55,6 +56,7 @@ def initialize(
     dist.init_distributed(dist_backend=get_accelerator().communication_backend_name(),
                           distributed_port=_rendezvous_port(distributed_port, TORCH_DISTRIBUTED_DEFAULT_PORT),
                           dist_init_required=dist_init_required)
+    release_own_segment_name(dist)
     # Settings that depend on the number of ranks (e.g. gradients.ranks_per_node) can only be
     # checked now; still before any engine state or file exists.
     validate_ds_config(ds_config, world_size=dist.get_world_size())

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from worker_facts import cases
+
 from lazyzero.testing import run_distributed
 
 WORKER = Path(__file__).parents[1] / "workers" / "comm_quantized_worker.py"
@@ -20,13 +22,6 @@ def ranks(request, tmp_path_factory) -> list[dict]:
     proc = run_distributed("deepspeed", request.param, [str(WORKER), str(out)], timeout=300)
     assert proc.returncode == 0, proc.stdout[-4000:]
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(request.param)]
-
-
-def cases(ranks: list[dict], prefix: str) -> list[tuple[int, str, dict]]:
-    found = [(r, name, facts) for r, result in enumerate(ranks) for name, facts in result.items()
-             if name.startswith(prefix)]
-    assert found, f"no case starts with {prefix!r}"
-    return found
 
 
 @pytest.mark.multiproc

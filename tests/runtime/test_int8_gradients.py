@@ -31,7 +31,11 @@ SETTINGS = {
     "3+contiguous+predivide": "_DeepSpeedZeroOptimizer_Stage3__avg_scatter_contiguous_grads",
     "3+stochastic": "_DeepSpeedZeroOptimizer_Stage3__avg_scatter_grads",
     "3+cpu": "_DeepSpeedZeroOptimizer_Stage3__avg_scatter_grads",
+    "0+ef": "allreduce_bucket",
+    "2+ef": "average_tensor",
+    "3+ef": "_DeepSpeedZeroOptimizer_Stage3__avg_scatter_grads",
 }
+ERROR_FEEDBACK = [setting for setting in SETTINGS if "ef" in setting.split("+")]
 NAN_STEP = 2
 # The largest floating-point tensor an int8 run may hand to a torch.distributed reduction: the
 # scalars of the gradient norm and of the overflow agreement, never a gradient bucket.
@@ -98,3 +102,14 @@ def test_stage_2_without_contiguous_gradients_is_refused_not_sent_in_fp32(ranks)
         # Refused by config validation, before the engine (which also refuses) is built.
         assert ("lazyzero.gradients.quantize: got 'int8'; allowed: 'none' while "
                 "zero_optimization.contiguous_gradients is false on stage 1 or 2") in result["refusal_without_contiguous_gradients"]
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("setting", ERROR_FEEDBACK)
+def test_error_feedback_carries_residuals_and_drops_them_after_a_skipped_step(ranks, setting):
+    for result in ranks:
+        carried = result[setting]["int8"]["residual_norms"]
+        assert all(0 < norm < math.inf for norm in carried)
+        after_nan = result[setting]["nan"]["residual_norms"]
+        assert [norm == 0 for norm in after_nan] == [step == NAN_STEP for step in range(len(after_nan))]
+        assert result[setting]["fp32"]["residual_norms"] == [None] * len(carried)

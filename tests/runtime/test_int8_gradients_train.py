@@ -1,5 +1,6 @@
-"""The demo config with int8 gradients (ds_configs/cpu_demo_int8.json: ZeRO-3, stochastic rounding)
-through the training entry point: step metrics in the log, and an exact resume."""
+"""The demo config with int8 gradients (ds_configs/cpu_demo_int8.json: ZeRO-3, error feedback)
+through the training entry point: step metrics in the log, and an exact resume, which needs each
+rank's error-feedback residuals restored from the checkpoint."""
 
 import json
 import shutil
@@ -29,7 +30,7 @@ def test_demo_trains_with_int8_gradients_logs_traffic_and_resumes_exactly(tmp_pa
         assert 0 < record["grad_wire_bytes"] <= 0.27 * record["grad_fp32_wire_bytes"]
         assert record["grad_exchange_s"] > 0 and record["grad_overflow"] is False
 
-    # The stochastic-rounding noise of a step depends on the step, not on the process's history.
+    # Step 4's gradients are rounded with step 3's residuals: only equal if they were restored.
     resumed_saves = tmp_path / "resume_ckpt"
     shutil.copytree(tmp_path / "ckpt" / "step2", resumed_saves / "step2")
     (resumed_saves / "latest").write_text("step2")

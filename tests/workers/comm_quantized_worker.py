@@ -227,7 +227,7 @@ def nonfinite_cases(rank: int, world: int) -> dict:
 def check_all_reduce(inputs, rank, **options) -> dict:
     result = quantized_all_reduce(inputs[rank], **options)
     owned_part = result.owned_slice()
-    expected = exact(inputs, result.scattered.plan.alpha)[owned_part]
+    expected = exact(inputs, result.plan.alpha)[owned_part]
     facts = bound_facts(result.output[owned_part], expected, result.owned_error_bound())
     facts.update(
         output_numel=result.output.numel(),

@@ -7,7 +7,7 @@ with reduce_scatter false: DeepSpeed all-reduces the bucket), "contiguous" (stag
 reduce_scatter false: DeepSpeed's `__avg_scatter_contiguous_grads`), "predivide"
 (gradient_predivide_factor 4), "stochastic" (stochastic rounding, seed 5, block size 128),
 "bf16" (bf16 model; with fp32 gradient accumulation from stage 1 on), "cpu" (optimizer state
-offloaded to the CPU; parameters too at stage 3).
+offloaded to the CPU; parameters too at stage 3), "ef" (error feedback).
 
 DeepSpeed's full-precision reduction methods and torch.distributed's reductions are wrapped before
 anything starts, so each run reports how often the former ran and the largest floating-point
@@ -96,6 +96,8 @@ def ds_config(setting: str, quantize: str) -> dict:
         zero["offload_optimizer"] = {"device": "cpu"}
         if zero["stage"] == 3:
             zero["offload_param"] = {"device": "cpu"}
+    if "ef" in variants and quantize == "int8":
+        gradients["error_feedback"] = True
     if "stochastic" in variants:
         gradients.update(stochastic_rounding=True, seed=5, block_size=128)
     return config
@@ -120,6 +122,15 @@ def averaged_gradient(engine) -> torch.Tensor:
     return gradient
 
 
+def residual_norm(engine) -> float | None:
+    """Norm of all of this rank's error-feedback residuals (None without error feedback)."""
+    exchange = engine._gradient_exchange
+    if exchange is None or exchange.error_feedback is None:
+        return None
+    residuals = exchange.state_dict()["residuals"]
+    return float(torch.cat(residuals).norm()) if residuals else 0.0
+
+
 def run(setting: str, quantize: str, nan_step: int | None) -> dict:
     calls.clear()
     largest_reduced.clear()
@@ -128,7 +139,7 @@ def run(setting: str, quantize: str, nan_step: int | None) -> dict:
     engine, _, _, _ = lazyzero.initialize(model=model, model_parameters=model.parameters(),
                                           config=ds_config(setting, quantize))
     generator = torch.Generator().manual_seed(100 + engine.global_rank)
-    losses, metrics, unchanged, finite = [], [], [], []
+    losses, metrics, unchanged, finite, residual_norms = [], [], [], [], []
     for step in range(STEPS):
         before = parameter_copies(engine, stage) if nan_step is not None else None
         for micro in range(engine.gradient_accumulation_steps()):
@@ -142,13 +153,14 @@ def run(setting: str, quantize: str, nan_step: int | None) -> dict:
                 first_gradient = averaged_gradient(engine)
             engine.step()
         metrics.append(engine.lazyzero_step_metrics())
+        residual_norms.append(residual_norm(engine))
         if before is not None:
             after = parameter_copies(engine, stage)
             unchanged.append(all(torch.equal(a, b) for a, b in zip(before, after)))
             finite.append(all(bool(torch.isfinite(a).all()) for a in after))
     result = {"first_gradient": first_gradient, "losses": losses, "metrics": metrics, "calls": dict(calls),
               "largest_reduced": dict(largest_reduced), "unchanged": unchanged, "finite": finite,
-              "skipped_steps": engine.skipped_steps}
+              "skipped_steps": engine.skipped_steps, "residual_norms": residual_norms}
     destroy_engine(engine)
     return result
 

@@ -9,10 +9,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
-
-import torch
 
 from lazyzero.config import LazyZeroConfigError, load_ds_config_file, validate_ds_config
 from lazyzero.data.arithmetic import DIFFICULTIES

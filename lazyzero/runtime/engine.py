@@ -45,21 +45,24 @@ class LazyZeroEngine(DeepSpeedEngine):
             return {}
         return dict(self._gradient_exchange.last_step_metrics)
 
-    def save_checkpoint(self, save_dir, tag=None, client_state={}, save_latest=True, **kwargs):
+    def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest=True, exclude_frozen_parameters=False):
         """DeepSpeed's checkpoint, plus this rank's lazyzero state (`rank_state.py`) when a
         feature keeps any, written first so that 'latest' never names a checkpoint without it."""
         features = self._lazyzero_rank_state()
         if features:
             tag = f"global_step{self.global_steps}" if tag is None else tag
             save_rank_state(os.path.join(save_dir, str(tag)), self.global_rank, self.world_size, features)
-        return super().save_checkpoint(save_dir, tag=tag, client_state=client_state, save_latest=save_latest,
-                                       **kwargs)
+        return super().save_checkpoint(save_dir, tag=tag, client_state=client_state or {}, save_latest=save_latest,
+                                       exclude_frozen_parameters=exclude_frozen_parameters)
 
-    def load_checkpoint(self, load_dir, tag=None, load_optimizer_states=True, load_module_only=False, **kwargs):
-        """DeepSpeed's load, then this rank's lazyzero state when the optimizer state is loaded."""
+    def load_checkpoint(self, load_dir, tag=None, load_module_strict=True, load_optimizer_states=True,
+                        load_lr_scheduler_states=True, load_module_only=False, custom_load_fn=None):
+        """DeepSpeed's load (same arguments, same positions), then this rank's lazyzero state when
+        the optimizer state is loaded."""
         load_path, client_state = super().load_checkpoint(
-            load_dir, tag=tag, load_optimizer_states=load_optimizer_states, load_module_only=load_module_only,
-            **kwargs)
+            load_dir, tag=tag, load_module_strict=load_module_strict, load_optimizer_states=load_optimizer_states,
+            load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only,
+            custom_load_fn=custom_load_fn)
         if load_path is not None and load_optimizer_states and not load_module_only:
             self._restore_lazyzero_rank_state(os.path.dirname(load_path))
         return load_path, client_state

@@ -1,7 +1,6 @@
 """With the "lazyzero" section absent or all features off, lazyzero is DeepSpeed bit for bit."""
 
 import json
-import sys
 from pathlib import Path
 
 import pytest

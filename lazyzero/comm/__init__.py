@@ -16,7 +16,7 @@ from lazyzero.comm.quantized_reduce_scatter import (
     ReduceScatterResult,
     quantized_reduce_scatter,
 )
-from lazyzero.comm.two_hop import NodeGroups, TwoHopResult, build_node_groups, two_hop_reduce_scatter
+from lazyzero.comm.two_hop import NodeGroups, TwoHopResult, build_node_groups, group_ranks, two_hop_reduce_scatter
 
 __all__ = [
     "AllReduceResult",
@@ -28,6 +28,7 @@ __all__ = [
     "build_node_groups",
     "any_nonfinite",
     "deepspeed_chunk_length",
+    "group_ranks",
     "quantized_all_reduce",
     "quantized_reduce_scatter",
     "reduce_scatter_error_bound",

@@ -25,6 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
+FP32_BYTES = 4
+
 Piece = tuple[int, int]
 """(offset, length) of a run of elements in the flat bucket."""
 
@@ -98,6 +100,11 @@ class ChunkLayout:
     def segment_length(self, rank: int) -> int:
         """Elements owner `rank` receives reduced: the sum of its pieces' lengths."""
         return sum(length for _, length in self.pieces[rank])
+
+    def fp32_bytes_sent(self, rank: int) -> int:
+        """Bytes `rank` sends in an fp32 reduce-scatter of this layout (ring or direct reduce to
+        each owner): every element it does not own, once."""
+        return FP32_BYTES * (self.numel - self.segment_length(rank))
 
     def longest_segment(self) -> int:
         return max(self.segment_length(rank) for rank in range(self.world_size))

@@ -28,6 +28,7 @@ from lazyzero.comm.quantized_reduce_scatter import (
     ExchangeBuffers,
     ExchangePlan,
     ReduceScatterResult,
+    all_gather_single,
     make_plan,
     quantized_reduce_scatter,
     wire_bytes_per_row_set,
@@ -35,9 +36,6 @@ from lazyzero.comm.quantized_reduce_scatter import (
 from lazyzero.comm.two_hop import NodeGroups, TwoHopResult, two_hop_reduce_scatter
 from lazyzero.ops.quant import DEFAULT_BLOCK_SIZE, BlockQuantized, dequantize_blockwise
 
-# torch 2.13 renamed all_gather_into_tensor (now deprecated) to all_gather_single; torch >= 2.4 is
-# supported, so take whichever this torch has.
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 @dataclass(frozen=True)
@@ -91,8 +89,8 @@ def _gather_chunks(row: torch.Tensor, plan: ExchangePlan, buffers: ExchangeBuffe
     codes = buffers.take("gathered_codes", plan.world_size * plan.row_length, torch.int8, device)
     scales = torch.empty(plan.world_size, plan.blocks_per_row, dtype=torch.float32, device=device)
     pending = [
-        _all_gather_single(codes, own.codes, group=plan.group, async_op=True),
-        _all_gather_single(scales.view(-1), own.scales, group=plan.group, async_op=True),
+        all_gather_single(codes, own.codes, group=plan.group, async_op=True),
+        all_gather_single(scales.view(-1), own.scales, group=plan.group, async_op=True),
     ]
     for work in pending:
         work.wait()

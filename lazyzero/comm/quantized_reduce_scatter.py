@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from lazyzero.comm.error_bound import reduce_scatter_error_bound
-from lazyzero.comm.layout import ChunkLayout
+from lazyzero.comm.layout import FP32_BYTES, ChunkLayout
 from lazyzero.ops.quant import (
     DEFAULT_BLOCK_SIZE,
     BlockQuantized,
@@ -41,8 +41,10 @@ from lazyzero.ops.quant import (
     quantize_blockwise,
 )
 
-FP32_BYTES = 4
 SCALE_BYTES = FP32_BYTES
+# torch 2.13 renamed all_gather_into_tensor (now deprecated) to all_gather_single; torch >= 2.4 is
+# supported, so take whichever this torch has.
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _SEED_MODULUS = 2**63
 
 

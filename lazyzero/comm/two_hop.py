@@ -24,11 +24,13 @@ import torch
 import torch.distributed as dist
 
 from lazyzero.comm.layout import ChunkLayout
-from lazyzero.comm.quantized_reduce_scatter import ExchangeBuffers, ReduceScatterResult, quantized_reduce_scatter
+from lazyzero.comm.quantized_reduce_scatter import (
+    ExchangeBuffers,
+    ReduceScatterResult,
+    all_gather_single,
+    quantized_reduce_scatter,
+)
 from lazyzero.ops.quant import DEFAULT_BLOCK_SIZE
-
-FP32_BYTES = 4
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 @dataclass(frozen=True)
@@ -52,13 +54,18 @@ class NodeGroups:
         return self.nodes * self.ranks_per_node
 
 
+def group_ranks(group: dist.ProcessGroup | None) -> list[int]:
+    """Global ranks of `group` in group-rank order (None: the default group)."""
+    return dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+
+
 def build_node_groups(group: dist.ProcessGroup | None, ranks_per_node: int) -> NodeGroups:
     """Create the intra-node and cross-node subgroups of `group`.
 
     A collective over the default group: every process calls it with the same arguments (torch
     requires every process to take part in creating every subgroup).
     """
-    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+    ranks = group_ranks(group)
     if ranks_per_node < 1 or len(ranks) % ranks_per_node:
         raise ValueError(f"ranks_per_node {ranks_per_node} does not divide the group of {len(ranks)} ranks")
     nodes = len(ranks) // ranks_per_node
@@ -122,7 +129,7 @@ class TwoHopResult:
     @property
     def fp32_wire_bytes(self) -> int:
         """Bytes a one-hop fp32 reduce-scatter of `layout` sends from this rank."""
-        return FP32_BYTES * (self.layout.numel - self.layout.segment_length(self.rank))
+        return self.layout.fp32_bytes_sent(self.rank)
 
     def error_bound(self) -> torch.Tensor:
         """fp64 bound on |output - scale * exact sum of every rank's quantized values|, per element.
@@ -134,7 +141,7 @@ class TwoHopResult:
         first = self.inside.error_bound()
         gathered = torch.empty(self.nodes.nodes, first.numel(), dtype=torch.float64, device=first.device)
         if first.numel():
-            _all_gather_single(gathered.view(-1), first.contiguous(), group=self.nodes.cross)
+            all_gather_single(gathered.view(-1), first.contiguous(), group=self.nodes.cross)
         ((start, length),) = self.across.plan.layout.pieces[self.nodes.node]
         partial_errors = gathered[:, start : start + length].sum(dim=0)
         return self.across.error_bound() + self.across.plan.alpha * partial_errors

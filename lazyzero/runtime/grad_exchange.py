@@ -30,6 +30,7 @@ from lazyzero.comm import (
     ExchangeBuffers,
     NodeGroups,
     any_nonfinite,
+    group_ranks,
     quantized_all_reduce,
     quantized_reduce_scatter,
     two_hop_reduce_scatter,
@@ -37,17 +38,10 @@ from lazyzero.comm import (
 from lazyzero.config.models import GradientsConfig
 from lazyzero.runtime.error_feedback import ErrorFeedback
 
-FP32_BYTES = 4
 # Strides of the (seed, step, call) triple in a call's seed: distinct triples get distinct seeds
 # for up to 2**20 bucket exchanges per step and 2**40 steps.
 _CALLS_PER_STEP = 2**20
 _STEPS_PER_SEED = 2**40
-
-
-def fp32_bytes_sent(layout: ChunkLayout, rank: int) -> int:
-    """Bytes `rank` sends in an fp32 reduce-scatter of `layout` (ring or direct reduce to each
-    owner): every element it does not own, once. The reference of the `grad_fp32_wire_bytes` metric."""
-    return FP32_BYTES * (layout.numel - layout.segment_length(rank))
 
 
 class GradientExchange:
@@ -66,7 +60,8 @@ class GradientExchange:
         when it changes); `nodes`, when set, makes exchanges over its group take two hops."""
         self.config = config
         self.nodes = nodes
-        self._group_ranks: dict[int, list[int]] = {}
+        self._groups_checked: set[int] = set()
+        """ids of the groups already found to be the two-hop layout's."""
         self.device = device
         self._current_step = current_step
         self._buffers = ExchangeBuffers()
@@ -90,7 +85,7 @@ class GradientExchange:
         else:
             result = quantized_reduce_scatter(flat, group, **options)
             rank = result.plan.rank
-        self._record(result.output, result.wire_bytes, fp32_bytes_sent(layout, rank), started)
+        self._record(result.output, result.wire_bytes, layout.fp32_bytes_sent(rank), started)
         return result.output
 
     def all_reduce(self, flat: torch.Tensor, group: dist.ProcessGroup | None, scale: float) -> torch.Tensor:
@@ -103,7 +98,7 @@ class GradientExchange:
             nodes=self.nodes if self._two_hop(group) else None)
         plan = result.plan
         # A ring all-reduce is a reduce-scatter followed by an all-gather of the same chunks.
-        self._record(result.output, result.wire_bytes, 2 * fp32_bytes_sent(plan.layout, plan.rank), started)
+        self._record(result.output, result.wire_bytes, 2 * plan.layout.fp32_bytes_sent(plan.rank), started)
         return result.output
 
     def finish_step(self) -> bool:
@@ -136,13 +131,13 @@ class GradientExchange:
         """True when `group` is the one the node groups were built for (same ranks)."""
         if self.nodes is None:
             return False
-        key = id(group)
-        if key not in self._group_ranks:
-            self._group_ranks[key] = _ranks_of(group)
-        if self._group_ranks[key] != _ranks_of(self.nodes.group):
-            raise NotImplementedError(
-                f"lazyzero.gradients: a gradient exchange over ranks {self._group_ranks[key]}, not the data-parallel "
-                "group the two-hop layout was built for; set lazyzero.gradients.ranks_per_node to 1 for one hop")
+        if id(group) not in self._groups_checked:
+            ranks = group_ranks(group)
+            if ranks != group_ranks(self.nodes.group):
+                raise NotImplementedError(
+                    f"lazyzero.gradients: a gradient exchange over ranks {ranks}, not the data-parallel group the "
+                    "two-hop layout was built for; set lazyzero.gradients.ranks_per_node to 1 for one hop")
+            self._groups_checked.add(id(group))
         return True
 
     def _next_call(self) -> int:
@@ -172,7 +167,3 @@ class GradientExchange:
         self._wire_bytes = 0
         self._fp32_wire_bytes = 0
         self._seconds = 0.0
-
-
-def _ranks_of(group: dist.ProcessGroup | None) -> list[int]:
-    return dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))

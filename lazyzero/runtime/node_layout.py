@@ -16,7 +16,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from lazyzero.comm import NodeGroups, build_node_groups
+from lazyzero.comm import NodeGroups, build_node_groups, group_ranks
 
 LAUNCHER_LOCAL_SIZE = ("LOCAL_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "LOCAL_WORLD_SIZE")
 LAUNCHER_LOCAL_RANK = ("LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK")
@@ -50,8 +50,7 @@ def node_groups_for(group: dist.ProcessGroup | None, configured: int | None,
     ranks_per_node = configured if configured is not None else launcher_ranks_per_node() or world_size
     if ranks_per_node in (1, world_size):
         return None
-    group_ranks = dist.get_process_group_ranks(group) if group is not None else list(range(world_size))
-    if group_ranks != list(range(world_size)):
+    if group_ranks(group) != list(range(world_size)):
         raise NotImplementedError(
             "lazyzero.gradients: the two-hop exchange needs data parallelism over all ranks; this run's "
             "data-parallel group is a subset. Set lazyzero.gradients.ranks_per_node to 1 for one hop")

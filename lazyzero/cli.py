@@ -1,6 +1,6 @@
-"""`lazyzero` command line: `train`, `config check|reference`, `ops build|status`.
+"""`lazyzero` command line: `train`, `config check|reference`, `ops build|status`, `ckpt ls|verify|export`.
 
-Later capabilities (plan, ckpt, profile) add their own sub-commands here.
+Later capabilities (plan, profile) add their own sub-commands here.
 """
 
 from __future__ import annotations
@@ -80,6 +80,11 @@ def build_parser() -> argparse.ArgumentParser:
     ops_build.add_argument("--quiet", action="store_true")
     ops_build.set_defaults(func=_ops_build)
     ops.add_parser("status", help="which backends are built, and if not, why").set_defaults(func=_ops_status)
+
+    from lazyzero.checkpoint.cli import add_ckpt_commands
+
+    ckpt = sub.add_parser("ckpt", help="list, verify or export lazyzero checkpoints").add_subparsers(dest="action", required=True)
+    add_ckpt_commands(ckpt)
     return parser
 
 

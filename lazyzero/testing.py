@@ -70,8 +70,9 @@ def launch_command(launcher: str, nprocs: int, argv: list[str], launcher_args: t
 
 
 def run_distributed(launcher: str, nprocs: int, argv: list[str], timeout: float = 600, cwd=None,
-                    launcher_args: tuple[str, ...] = ()):
+                    launcher_args: tuple[str, ...] = (), env: dict | None = None):
     """Run `argv` on `nprocs` real ranks and return the CompletedProcess (stdout and stderr merged).
+    `env`: variables added to the ranks' environment (e.g. LAZYZERO_FAILPOINT).
 
     Removes the shared-memory files DeepSpeed's CPU all-reduce leaves behind (`shm_segments.py`),
     which would otherwise fill /dev/shm over a test session."""
@@ -82,7 +83,7 @@ def run_distributed(launcher: str, nprocs: int, argv: list[str], timeout: float 
     port = free_port()
     cmd = launch_command(launcher, nprocs, argv, launcher_args, port)
     try:
-        return subprocess.run(cmd, env=distributed_env(), cwd=cwd, timeout=timeout, text=True,
+        return subprocess.run(cmd, env={**distributed_env(), **(env or {})}, cwd=cwd, timeout=timeout, text=True,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     finally:
         remove_leftover_segments(port)

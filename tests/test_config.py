@@ -163,7 +163,6 @@ BAD_CONFIGS = [
     ({"plan": {"enabled": True}}, "lazyzero.plan.enabled", "got true; not available in lazyzero 0.1.0 yet (issue 7); allowed now: false"),
     ({"activations": {"enabled": True}}, "lazyzero.activations.enabled", "(issue 6); allowed now: false"),
     ({"optimizer": {"type": "adamw8bit"}}, "lazyzero.optimizer.type", "(issue 5); allowed now: 'none'"),
-    ({"checkpoint": {"mode": "lazy"}}, "lazyzero.checkpoint.mode", "(issue 4); allowed now: 'deepspeed'"),
     # lazyzero paths on this machine
     ({"plan": {"nvme_path": "{tmp}/missing/deeper"}}, "lazyzero.plan.nvme_path", "allowed: an existing directory this process can write to (it does not exist"),
     ({"plan": {"nvme_path": "{tmp}/a_file"}}, "lazyzero.plan.nvme_path", "(it is not a directory)"),
@@ -202,6 +201,8 @@ DEEPSPEED_CONFLICTS = [
      "activation_checkpointing.cpu_checkpointing", "got true; allowed: false while lazyzero.activations.enabled is true"),
     ({"checkpoint": {"writer": {"type": "fast"}}, "lazyzero": {"checkpoint": {"mode": "lazy"}}}, "checkpoint.writer",
      "allowed: absent while lazyzero.checkpoint.mode is 'lazy'"),
+    ({"checkpoint": {"use_node_local_storage": True}, "lazyzero": {"checkpoint": {"mode": "lazy"}}},
+     "checkpoint.use_node_local_storage", "allowed: false while lazyzero.checkpoint.mode is 'lazy'"),
 ]
 
 

@@ -139,8 +139,14 @@ def _checkpoint_conflicts(config: LazyZeroConfig, ds_config: dict) -> list[Probl
     ds_checkpoint = ds_config.get("checkpoint")
     if config.checkpoint.mode != "lazy" or not isinstance(ds_checkpoint, dict):
         return []
-    if ds_checkpoint.get("writer") is None:
-        return []
-    return [Problem.conflict(
-        "checkpoint.writer", ds_checkpoint["writer"], "absent while lazyzero.checkpoint.mode is 'lazy'",
-        "lazyzero installs its own checkpoint engine, so DeepSpeed's writer settings would be ignored")]
+    problems = []
+    if ds_checkpoint.get("writer") is not None:
+        problems.append(Problem.conflict(
+            "checkpoint.writer", ds_checkpoint["writer"], "absent while lazyzero.checkpoint.mode is 'lazy'",
+            "lazyzero installs its own checkpoint engine, so DeepSpeed's writer settings would be ignored"))
+    if ds_checkpoint.get("use_node_local_storage") is True:
+        problems.append(Problem.conflict(
+            "checkpoint.use_node_local_storage", True, "false while lazyzero.checkpoint.mode is 'lazy'",
+            "rank 0 commits a checkpoint by renaming one folder holding every rank's files, "
+            "so save_dir must be one shared filesystem"))
+    return problems

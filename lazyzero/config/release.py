@@ -15,7 +15,6 @@ NOT_YET_AVAILABLE = {
     "plan.enabled": (False, 7),
     "activations.enabled": (False, 6),
     "optimizer.type": ("none", 5),
-    "checkpoint.mode": ("deepspeed", 4),
 }
 
 

@@ -11,12 +11,12 @@ from __future__ import annotations
 import os
 
 from deepspeed.runtime.engine import DeepSpeedEngine
-from deepspeed.utils import logger
 from deepspeed.utils.logging import print_dist
 
 from lazyzero.config import LazyZeroConfig
+from lazyzero.runtime import checkpointing
 from lazyzero.runtime.grad_exchange_hooks import install_int8_gradients
-from lazyzero.runtime.rank_state import load_rank_state, save_rank_state
+from lazyzero.runtime.nvme_restore import restore_nvme_offloaded_state
 
 
 class LazyZeroEngine(DeepSpeedEngine):
@@ -40,44 +40,98 @@ class LazyZeroEngine(DeepSpeedEngine):
         With int8 gradients, those of the last optimizer step: `grad_wire_bytes` (bytes this rank
         sent), `grad_fp32_wire_bytes` (what an fp32 reduction of the same buckets sends),
         `grad_exchange_s` (host seconds in the exchanges) and `grad_overflow` (step skipped).
+        With lazy checkpoints, this rank's figures of the newest committed checkpoint:
+        `checkpoint_tag`, `checkpoint_bytes`, `checkpoint_copy_s`, `checkpoint_write_s` and
+        `checkpoint_commit_s` (from `save_checkpoint` returning to the commit).
         """
-        if self._gradient_exchange is None:
-            return {}
-        return dict(self._gradient_exchange.last_step_metrics)
+        metrics = {}
+        if self._gradient_exchange is not None:
+            metrics.update(self._gradient_exchange.last_step_metrics)
+        if self.lazy_checkpoints and self.checkpoint_engine.last_commit is not None:
+            commit = self.checkpoint_engine.last_commit
+            metrics.update(checkpoint_tag=commit["tag"], checkpoint_bytes=commit["bytes"],
+                           checkpoint_copy_s=commit["copy_s"], checkpoint_write_s=commit["write_s"],
+                           checkpoint_commit_s=commit["queued_to_committed_s"])
+        return metrics
+
+    # --- checkpoints (lazyzero/runtime/checkpointing.py) ------------------------------------------
+
+    def _configure_checkpointing(self):
+        super()._configure_checkpointing()
+        if self.lazy_checkpoints:
+            self.checkpoint_engine = checkpointing.lazy_checkpoint_engine(self)
+
+    @property
+    def lazy_checkpoints(self) -> bool:
+        return self.lazyzero_config.checkpoint.mode == "lazy"
 
     def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest=True, exclude_frozen_parameters=False):
-        """DeepSpeed's checkpoint, plus this rank's lazyzero state (`rank_state.py`) when a
-        feature keeps any, written first so that 'latest' never names a checkpoint without it."""
-        features = self._lazyzero_rank_state()
-        if features:
-            tag = f"global_step{self.global_steps}" if tag is None else tag
-            save_rank_state(os.path.join(save_dir, str(tag)), self.global_rank, self.world_size, features)
-        return super().save_checkpoint(save_dir, tag=tag, client_state=client_state or {}, save_latest=save_latest,
-                                       exclude_frozen_parameters=exclude_frozen_parameters)
+        """DeepSpeed's save (same arguments), plus this rank's lazyzero state. With lazy checkpoints it
+        returns once the snapshot is queued; the files are committed in the background."""
+        if not self.lazy_checkpoints:
+            return super().save_checkpoint(save_dir, tag=tag, client_state=client_state or {}, save_latest=save_latest,
+                                           exclude_frozen_parameters=exclude_frozen_parameters)
+        with checkpointing.lazy_save(self, save_dir, save_latest):
+            # 'latest' is written by the background commit, by rename, once every file is durable.
+            return super().save_checkpoint(save_dir, tag=tag, client_state=client_state or {}, save_latest=False,
+                                           exclude_frozen_parameters=exclude_frozen_parameters)
+
+    def _save_checkpoint(self, save_dir, tag, client_state={}, exclude_frozen_parameters=False):  # noqa: B006 - DeepSpeed's signature
+        super()._save_checkpoint(save_dir, tag, client_state=client_state, exclude_frozen_parameters=exclude_frozen_parameters)
+        checkpointing.save_rank_state(self, save_dir, tag)
+
+    def _save_zero_checkpoint(self, save_path, tag):
+        super()._save_zero_checkpoint(save_path, tag)
+        if self.lazy_checkpoints:
+            checkpointing.snapshot_nvme_optimizer_files(self, save_path, tag)
+
+    def zero_nvme_offload_optimizer(self):
+        # During a lazy save DeepSpeed must not copy the swap folder itself (synchronously, outside
+        # the commit): the snapshot reads it instead (snapshot_nvme_optimizer_files).
+        return False if getattr(self, "_inside_lazy_save", False) else super().zero_nvme_offload_optimizer()
+
+    def _take_model_step(self, lr_kwargs):
+        if self.lazy_checkpoints:
+            self.checkpoint_engine.before_optimizer_step()
+        return super()._take_model_step(lr_kwargs)
+
+    def wait_for_checkpoints(self) -> None:
+        """Block until every queued lazy checkpoint is committed; raise if one failed (no-op otherwise)."""
+        if self.lazy_checkpoints:
+            self.checkpoint_engine.wait()
 
     def load_checkpoint(self, load_dir, tag=None, load_module_strict=True, load_optimizer_states=True,
                         load_lr_scheduler_states=True, load_module_only=False, custom_load_fn=None):
-        """DeepSpeed's load (same arguments, same positions), then this rank's lazyzero state when
-        the optimizer state is loaded."""
+        """DeepSpeed's load (same arguments, same positions). A lazyzero checkpoint is verified against
+        its manifest first, 'latest' falls back to the newest committed checkpoint, and this rank's
+        lazyzero state is restored with the optimizer state."""
+        tag = checkpointing.prepare_load(self, load_dir, tag)
+        if tag is None:
+            return None, None
         load_path, client_state = super().load_checkpoint(
             load_dir, tag=tag, load_module_strict=load_module_strict, load_optimizer_states=load_optimizer_states,
             load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only,
             custom_load_fn=custom_load_fn)
         if load_path is not None and load_optimizer_states and not load_module_only:
-            self._restore_lazyzero_rank_state(os.path.dirname(load_path))
+            if self.zero_nvme_offload_optimizer():
+                restore_nvme_offloaded_state(self, load_dir, tag)
+            checkpointing.restore_rank_state(self, os.path.join(load_dir, tag))
         return load_path, client_state
 
+    def destroy(self):
+        if self.lazy_checkpoints and getattr(self, "checkpoint_engine", None) is not None:
+            self.checkpoint_engine.close()
+        super().destroy()
+
     def _keeps_rank_state(self) -> bool:
-        return self._gradient_exchange is not None and self._gradient_exchange.error_feedback is not None
+        return self.lazy_checkpoints or (self._gradient_exchange is not None
+                                         and self._gradient_exchange.error_feedback is not None)
 
-    def _lazyzero_rank_state(self) -> dict:
-        return {"gradients": self._gradient_exchange.state_dict()} if self._keeps_rank_state() else {}
-
-    def _restore_lazyzero_rank_state(self, tag_dir: str) -> None:
-        if not self._keeps_rank_state():
-            return
-        features, why_not = load_rank_state(tag_dir, self.global_rank, self.world_size)
-        if features is None:
-            logger.warning(f"lazyzero: {why_not}; the int8 gradient error-feedback residuals restart from zero")
-            return
-        self._gradient_exchange.load_state_dict(features.get("gradients"))
+    def lazyzero_rank_state(self) -> dict:
+        """Per-rank state of lazyzero features, saved in lazyzero_rank<R>.pt."""
+        features = {}
+        if self._gradient_exchange is not None and self._gradient_exchange.error_feedback is not None:
+            features["gradients"] = self._gradient_exchange.state_dict()
+        if self.lazy_checkpoints:
+            features["rng"] = checkpointing.rng_state()
+        return features

@@ -56,6 +56,9 @@ class Trainer:
         started = time.perf_counter()
         acc_before = self.evaluate() if self.start_step == 0 else None
         self._train_steps()
+        # Lazy checkpoints still being written are committed (or their failure raised) here,
+        # before the run reports success.
+        self.engine.wait_for_checkpoints()
         acc_after = self.evaluate()
         if self.rank == 0:
             self._write_report(time.perf_counter() - started, acc_before, acc_after)

@@ -1,0 +1,344 @@
+"""`LazyCheckpointEngine`: DeepSpeed's checkpoint engine interface, with saves that cost (almost) nothing.
+
+DeepSpeed's `save_checkpoint` calls `create`, `makedirs`, `save` per file and `commit`; here `save`
+only swaps the state's tensors for reused host buffers, `commit` queues the checkpoint and returns.
+Per checkpoint, in the background:
+  1. copies into the host buffers (copy thread on CPU, side stream on CUDA), which the next
+     optimizer step waits for (`before_optimizer_step`), since it is what changes the state;
+  2. a flush thread writes this rank's files into the temporary folder (writer pool), fsyncs;
+  3. all ranks agree on a side gloo group (each rank's files and hashes, or its error); rank 0
+     commits (commit.py) and broadcasts the outcome.
+A failure anywhere is kept and raised on this rank's next save, wait or optimizer step
+(RELIABILITY promise 4); the temporary data is removed and `latest` is not advanced.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo, CheckpointEngine
+from deepspeed.utils import logger
+
+from lazyzero.checkpoint.commit import commit_on_rank0, discard_temp, write_rank_files
+from lazyzero.checkpoint.faults import failpoint
+from lazyzero.checkpoint.layout import check_tag, leftover_dirs, temp_dir
+from lazyzero.checkpoint.durable_io import remove_tree
+from lazyzero.checkpoint.manifest import Manifest
+from lazyzero.checkpoint.snapshot import (BufferBudget, FileSnapshot, HostBuffers, run_copies, snapshot_file,
+                                          snapshot_state)
+
+# Writers yield the cores to training: their only deadline is the next save.
+BACKGROUND_NICE = 10
+
+
+class CheckpointFailedError(RuntimeError):
+    """A background part of a lazy checkpoint failed; the checkpoint was not committed."""
+
+
+@dataclass
+class PendingCheckpoint:
+    tag: str
+    save_dir: Path
+    save_latest: bool
+    global_steps: int
+    slot: HostBuffers
+    files: list[FileSnapshot] = field(default_factory=list)
+    copies_done: threading.Event = field(default_factory=threading.Event)
+    cuda_copies: object = None  # torch.cuda.Event of the side-stream copies
+    copy_error: BaseException | None = None
+    done: threading.Event = field(default_factory=threading.Event)
+    timings: dict = field(default_factory=dict)  # perf_counter marks: queued, copied, written, committed
+
+
+class LazyCheckpointEngine(CheckpointEngine):
+    """One per engine (rank). `config` is the validated `lazyzero.checkpoint` section."""
+
+    def __init__(self, config, rank: int, world_size: int, on_cuda: bool):
+        super().__init__(None)
+        self.name = "LazyCheckpointEngine"
+        self.config = config
+        self.rank, self.world_size, self.on_cuda = rank, world_size, on_cuda
+        budget = BufferBudget(config.host_buffer_limit)
+        self._free_slots: queue.Queue[HostBuffers] = queue.Queue()
+        for _ in range(config.max_in_flight):
+            self._free_slots.put(HostBuffers(budget, pin=on_cuda))
+        self._group = _side_group(world_size)
+        self._pending: list[PendingCheckpoint] = []
+        self._current: PendingCheckpoint | None = None
+        self._errors: list[str] = []
+        self._lock = threading.Lock()
+        self._cleaned_dirs: set[Path] = set()
+        self._copy_queue: queue.Queue = queue.Queue()
+        self._flush_queue: queue.Queue = queue.Queue()
+        self._writers = ThreadPoolExecutor(config.writer_threads, thread_name_prefix="lazyzero-ckpt-writer",
+                                           initializer=_lower_priority)
+        self._side_stream = torch.cuda.Stream() if on_cuda else None
+        self._threads = [threading.Thread(target=self._copy_loop, name="lazyzero-ckpt-copy", daemon=True),
+                         threading.Thread(target=self._flush_loop, name="lazyzero-ckpt-flush", daemon=True)]
+        for thread in self._threads:
+            thread.start()
+        # This rank's figures of the newest committed checkpoint (bytes it wrote, seconds).
+        self.last_commit: dict | None = None
+
+    # --- called by LazyZeroEngine around DeepSpeed's save ---------------------------------------
+
+    def prepare(self, save_dir: str, save_latest: bool, global_steps: int, barrier) -> None:
+        """Before DeepSpeed's save: report earlier failures, clean leftovers once, take a buffer slot."""
+        self.raise_failures()
+        self.clean_leftovers(save_dir, barrier)
+        slot = self._take_slot()
+        self._current = PendingCheckpoint(tag="", save_dir=Path(save_dir), save_latest=save_latest,
+                                          global_steps=global_steps, slot=slot)
+
+    def abandon(self) -> None:
+        """DeepSpeed's save raised before `commit`: drop the half-built snapshot, free its slot."""
+        checkpoint, self._current = self._current, None
+        if checkpoint is not None:
+            if checkpoint.tag:
+                discard_temp(checkpoint.save_dir, checkpoint.tag)
+            self._free_slots.put(checkpoint.slot)
+
+    def clean_leftovers(self, save_dir: str, barrier) -> None:
+        """Rank 0 removes temporary folders of crashed runs (once per folder), then every rank goes on."""
+        root = Path(save_dir).resolve()
+        if root in self._cleaned_dirs:
+            return
+        if self.rank == 0:
+            for leftover in leftover_dirs(root):
+                logger.warning(f"lazyzero: removing {leftover}, left by an interrupted checkpoint")
+                print(f"lazyzero: removing {leftover}, left by an interrupted checkpoint", flush=True)
+                remove_tree(leftover)
+        barrier()
+        self._cleaned_dirs.add(root)
+
+    def add_file(self, relpath: str, state) -> None:
+        """A file of lazyzero's own state in the checkpoint being saved."""
+        self._current.files.append(snapshot_state(relpath, state, self._current.slot))
+
+    def add_raw_file(self, relpath: str, source: str) -> None:
+        self._current.files.append(snapshot_file(relpath, source, self._current.slot))
+
+    def before_optimizer_step(self) -> None:
+        """The optimizer is about to change the state: wait for unfinished copies (not writes)."""
+        with self._lock:
+            pending = list(self._pending)
+        for checkpoint in pending:
+            self._wait_copies(checkpoint)
+        self.raise_failures()
+
+    def wait(self) -> None:
+        """Block until every queued checkpoint is committed or failed; raise a failure."""
+        with self._lock:
+            pending = list(self._pending)
+        for checkpoint in pending:
+            checkpoint.done.wait()
+        self.raise_failures()
+
+    def raise_failures(self) -> None:
+        with self._lock:
+            errors, self._errors = self._errors, []
+        if errors:
+            raise CheckpointFailedError("lazyzero: " + "\n".join(errors))
+
+    def close(self) -> None:
+        """Finish what is queued, stop the threads; raises a failure of the last checkpoints."""
+        try:
+            self.wait()
+        finally:
+            self._copy_queue.put(None)
+            self._flush_queue.put(None)
+            for thread in self._threads:
+                thread.join()
+            self._writers.shutdown(wait=True)
+
+    # --- DeepSpeed's CheckpointEngine interface --------------------------------------------------
+
+    def create(self, info: CheckpointCommitInfo):
+        if self._current is None:
+            raise RuntimeError("LazyCheckpointEngine.create without prepare: save through LazyZeroEngine.save_checkpoint")
+        self._current.tag = check_tag(info.tag)
+        temp_dir(self._current.save_dir, info.tag).mkdir(parents=True, exist_ok=True)
+
+    def makedirs(self, path, exist_ok=False):
+        # The tag folder appears only at commit, by renaming the temporary folder.
+        if self._current is None or self._relative(path) is None:
+            os.makedirs(path, exist_ok=exist_ok)
+
+    def save(self, state_dict, path: str):
+        relpath = self._relative(path)
+        if relpath is None:
+            raise ValueError(f"LazyCheckpointEngine.save: {path} is outside the checkpoint being saved "
+                             f"({self._current.save_dir / self._current.tag})")
+        self._current.files.append(snapshot_state(relpath, state_dict, self._current.slot))
+
+    def commit(self, info: CheckpointCommitInfo):
+        """Queue the checkpoint: copies start now, files are written and committed in the background."""
+        checkpoint, self._current = self._current, None
+        with self._lock:
+            self._pending.append(checkpoint)
+        checkpoint.timings["queued"] = time.perf_counter()
+        self._start_copies(checkpoint)
+        self._flush_queue.put(checkpoint)
+        return True
+
+    def load(self, path: str, map_location=None):
+        return torch.load(path, map_location=map_location, weights_only=False)
+
+    def is_decoupled(self):
+        # DeepSpeed's decoupled path writes 'latest' itself, in place; the commit here does it by rename.
+        return False
+
+    def preserves_storage_sharing(self):
+        # False stops DeepSpeed from cloning every tensor before `save`: the snapshot copies anyway.
+        return False
+
+    def cleanup(self):
+        self.close()
+
+    # --- background work -------------------------------------------------------------------------
+
+    def _relative(self, path) -> str | None:
+        if self._current is None or not self._current.tag:
+            return None
+        root = (self._current.save_dir / self._current.tag).resolve()
+        target = Path(path).resolve()
+        if target == root:
+            return "."
+        return target.relative_to(root).as_posix() if target.is_relative_to(root) else None
+
+    def _take_slot(self) -> HostBuffers:
+        """A buffer set; with `max_in_flight` checkpoints queued, wait for the oldest (or its failure)."""
+        while True:
+            try:
+                return self._free_slots.get(timeout=0.05)
+            except queue.Empty:
+                self.raise_failures()
+
+    def _start_copies(self, checkpoint: PendingCheckpoint) -> None:
+        if self._side_stream is not None:
+            device_copies = [(f, [(d, s) for d, s in f.copies if s.is_cuda]) for f in checkpoint.files]
+            self._side_stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(self._side_stream):
+                for snap, pairs in device_copies:
+                    for dst, src in pairs:
+                        dst.copy_(src, non_blocking=True)
+                        src.record_stream(self._side_stream)
+                    snap.copies = [(d, s) for d, s in snap.copies if not s.is_cuda]
+                checkpoint.cuda_copies = torch.cuda.Event()
+                checkpoint.cuda_copies.record(self._side_stream)
+        self._copy_queue.put(checkpoint)
+
+    def _wait_copies(self, checkpoint: PendingCheckpoint) -> None:
+        checkpoint.copies_done.wait()
+        if checkpoint.cuda_copies is not None:
+            checkpoint.cuda_copies.synchronize()
+
+    def _copy_loop(self) -> None:
+        while (checkpoint := self._copy_queue.get()) is not None:
+            try:
+                run_copies(checkpoint.files)
+            except BaseException as err:  # noqa: BLE001 - reported through the checkpoint
+                checkpoint.copy_error = err
+            checkpoint.timings["copied"] = time.perf_counter()
+            checkpoint.copies_done.set()
+
+    def _flush_loop(self) -> None:
+        _lower_priority()
+        while (checkpoint := self._flush_queue.get()) is not None:
+            error = None
+            try:
+                error = self._flush(checkpoint)
+            except BaseException as err:  # noqa: BLE001 - a broken side group: report, keep the thread
+                error = f"checkpoint {checkpoint.tag!r}: {type(err).__name__}: {err}"
+            finally:
+                self._finish(checkpoint, error)
+
+    def _flush(self, checkpoint: PendingCheckpoint) -> str | None:
+        """Write, agree, commit. Returns the error that stopped the commit (any rank's), or None."""
+        self._wait_copies(checkpoint)
+        failpoint("after_snapshot")
+        folder = temp_dir(checkpoint.save_dir, checkpoint.tag)
+        status = {"rank": self.rank, "error": None, "files": {}}
+        try:
+            if checkpoint.copy_error is not None:
+                raise checkpoint.copy_error
+            checkpoint.timings["write_start"] = time.perf_counter()
+            status["files"] = write_rank_files(checkpoint.files, folder, self.rank, self._writers)
+            checkpoint.timings["written"] = time.perf_counter()
+            failpoint("before_manifest")
+        except BaseException as err:  # noqa: BLE001 - shared with every rank below
+            status["error"] = f"rank {self.rank}: {type(err).__name__}: {err}"
+        statuses = self._all_gather(status)
+        outcome = self._commit_if_all_written(checkpoint, statuses) if self.rank == 0 else None
+        return self._broadcast(outcome)
+
+    def _commit_if_all_written(self, checkpoint: PendingCheckpoint, statuses: list[dict]) -> str | None:
+        errors = [s["error"] for s in statuses if s["error"]]
+        try:
+            if errors:
+                return f"checkpoint {checkpoint.tag!r} was not committed: " + "; ".join(errors)
+            files = {relpath: entry for s in statuses for relpath, entry in s["files"].items()}
+            manifest = Manifest(checkpoint.tag, self.world_size, checkpoint.global_steps, files)
+            deleted = commit_on_rank0(checkpoint.save_dir, manifest, checkpoint.save_latest, self.config.keep_last)
+            if deleted:
+                print(f"lazyzero: keep_last={self.config.keep_last}: deleted checkpoint(s) {', '.join(deleted)}", flush=True)
+            return None
+        except BaseException as err:  # noqa: BLE001 - shared with every rank by the broadcast
+            return f"checkpoint {checkpoint.tag!r} was not committed: rank 0: {type(err).__name__}: {err}"
+        finally:
+            if errors or not (checkpoint.save_dir / checkpoint.tag).is_dir():
+                discard_temp(checkpoint.save_dir, checkpoint.tag)
+
+    def _finish(self, checkpoint: PendingCheckpoint, error: str | None) -> None:
+        marks = checkpoint.timings
+        marks["committed"] = time.perf_counter()
+        with self._lock:
+            if error:
+                self._errors.append(error)
+            else:
+                self.last_commit = {
+                    "tag": checkpoint.tag, "bytes": sum(f.nbytes for f in checkpoint.files),
+                    "copy_s": marks["copied"] - marks["queued"],
+                    "write_s": marks["written"] - marks["write_start"],
+                    "queued_to_committed_s": marks["committed"] - marks["queued"]}
+            self._pending.remove(checkpoint)
+        checkpoint.files = []  # drop references to live tensors and buffers views
+        self._free_slots.put(checkpoint.slot)
+        checkpoint.done.set()
+
+    def _all_gather(self, status: dict) -> list[dict]:
+        if self._group is None:
+            return [status]
+        gathered = [None] * self.world_size
+        torch.distributed.all_gather_object(gathered, status, group=self._group)
+        return gathered
+
+    def _broadcast(self, outcome: str | None) -> str | None:
+        if self._group is None:
+            return outcome
+        box = [outcome]
+        torch.distributed.broadcast_object_list(box, src=0, group=self._group)
+        return box[0]
+
+
+def _side_group(world_size: int):
+    """A gloo group of all ranks for the flush threads, so their agreement never interleaves with
+    training collectives (NCCL or gloo) on the main thread. Created collectively at engine setup."""
+    if world_size <= 1 or not torch.distributed.is_initialized():
+        return None
+    return torch.distributed.new_group(backend="gloo", timeout=timedelta(minutes=30))
+
+
+def _lower_priority() -> None:
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), BACKGROUND_NICE)
+    except OSError:
+        pass

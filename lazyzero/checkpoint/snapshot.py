@@ -1,0 +1,158 @@
+"""Snapshots: the state DeepSpeed hands to `save`, copied into reused host buffers.
+
+`save` only records what to copy (one `FileSnapshot` per file DeepSpeed writes) and swaps every
+tensor of the state for its host buffer; the copies themselves run in the background, on a copy
+thread (CPU) or a side stream (CUDA), while the next forward and backward run, and must be complete
+before the next optimizer step changes the state (DataStates-LLM: state is immutable until then).
+Non-tensor leaves are deep-copied at once: they are small and some (param_groups) change at the
+step.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+class HostBufferLimitError(RuntimeError):
+    """The snapshot buffers would exceed `lazyzero.checkpoint.host_buffer_limit`."""
+
+
+@dataclass
+class FileSnapshot:
+    """One file of a checkpoint. `state` (a torch.save-able object whose tensors are host buffers)
+    or `raw_source` (a file copied byte for byte, such as NVMe swap files) into `raw`."""
+
+    relpath: str
+    state: Any = None
+    raw_source: str | None = None
+    raw: torch.Tensor | None = None
+    copies: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # (host buffer, live tensor)
+
+    @property
+    def nbytes(self) -> int:
+        if self.raw is not None:
+            return self.raw.numel()
+        return sum(dst.numel() * dst.element_size() for dst, _ in self.copies)
+
+
+class HostBuffers:
+    """Host tensors reused from one snapshot to the next, by (file, position in the state).
+
+    One instance per in-flight slot; all slots share `limit_bytes` through `BufferBudget`. Buffers are
+    separate allocations (not views of one pool) so that torch.save writes exactly each tensor's bytes.
+    """
+
+    def __init__(self, budget: "BufferBudget", pin: bool):
+        self._budget = budget
+        self._pin = pin
+        self._by_key: dict[tuple, torch.Tensor] = {}
+
+    def get(self, key: tuple, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+        buffer = self._by_key.get(key)
+        if buffer is not None and buffer.shape == shape and buffer.dtype == dtype:
+            return buffer
+        if buffer is not None:
+            self._budget.release(buffer.numel() * buffer.element_size())
+        nbytes = shape.numel() * dtype.itemsize
+        self._budget.reserve(nbytes)
+        buffer = torch.empty(shape, dtype=dtype, pin_memory=self._pin)
+        self._by_key[key] = buffer
+        return buffer
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self._by_key.values())
+
+
+class BufferBudget:
+    """Host bytes held by snapshot buffers, against the configured limit (None: no limit)."""
+
+    def __init__(self, limit_bytes: int | None):
+        self.limit_bytes = limit_bytes
+        self.used_bytes = 0
+        self._lock = threading.Lock()
+
+    def reserve(self, nbytes: int) -> None:
+        with self._lock:
+            if self.limit_bytes is not None and self.used_bytes + nbytes > self.limit_bytes:
+                raise HostBufferLimitError(
+                    f"lazyzero.checkpoint.host_buffer_limit: {self.limit_bytes} bytes; snapshot buffers need at least "
+                    f"{self.used_bytes + nbytes} bytes on this rank (one snapshot per in-flight checkpoint, "
+                    f"lazyzero.checkpoint.max_in_flight); raise the limit, lower max_in_flight, or set it to null")
+            self.used_bytes += nbytes
+
+    def release(self, nbytes: int) -> None:
+        with self._lock:
+            self.used_bytes -= nbytes
+
+
+def snapshot_state(relpath: str, state: Any, buffers: HostBuffers) -> FileSnapshot:
+    """A FileSnapshot of `state` whose tensors are host buffers still to be filled by `copies`."""
+    snap = FileSnapshot(relpath)
+    aliases: dict[tuple, torch.Tensor] = {}
+
+    def swap(value: Any, key: tuple) -> Any:
+        if isinstance(value, torch.Tensor):
+            return _buffer_for(value, key)
+        if isinstance(value, dict):
+            swapped = {k: swap(v, key + (k,)) for k, v in value.items()}
+            if type(value) is dict:
+                return swapped
+            # Module state dicts are OrderedDicts whose `_metadata` carries per-module versions.
+            ordered = OrderedDict(swapped)
+            if hasattr(value, "_metadata"):
+                ordered._metadata = copy.deepcopy(value._metadata)
+            return ordered
+        if isinstance(value, list):
+            return [swap(v, key + (i,)) for i, v in enumerate(value)]
+        if type(value) is tuple:  # not torch.Size or named tuples: deep-copied as they are below
+            return tuple(swap(v, key + (i,)) for i, v in enumerate(value))
+        return copy.deepcopy(value)
+
+    def _buffer_for(tensor: torch.Tensor, key: tuple) -> torch.Tensor:
+        tensor = tensor.detach()
+        if tensor.numel() == 0:
+            return tensor.to("cpu", copy=True)
+        alias_key = (tensor.data_ptr(), tensor.shape, tensor.stride(), tensor.dtype, tensor.device)
+        if alias_key in aliases:  # tied weights: one copy, saved once, loaded into both
+            return aliases[alias_key]
+        buffer = buffers.get((relpath,) + key, tensor.shape, tensor.dtype)
+        snap.copies.append((buffer, tensor))
+        aliases[alias_key] = buffer
+        return buffer
+
+    snap.state = swap(state, ())
+    return snap
+
+
+def snapshot_file(relpath: str, source: str | os.PathLike, buffers: HostBuffers) -> FileSnapshot:
+    """A FileSnapshot of a file on disk (NVMe-resident optimizer state), read later by `run_copies`."""
+    size = os.path.getsize(source)
+    return FileSnapshot(relpath, raw_source=str(source), raw=buffers.get((relpath, "raw"), torch.Size([size]), torch.uint8))
+
+
+def run_copies(files: list[FileSnapshot]) -> None:
+    """Fill every host buffer of `files` (blocking; called on the copy thread or inside a side stream)."""
+    for snap in files:
+        for dst, src in snap.copies:
+            dst.copy_(src, non_blocking=dst.is_pinned())
+        if snap.raw_source is not None:
+            _read_into(snap.raw_source, snap.raw)
+
+
+def _read_into(path: str, buffer: torch.Tensor) -> None:
+    view = memoryview(buffer.numpy()).cast("B")
+    with open(path, "rb", buffering=0) as f:
+        done = 0
+        while done < view.nbytes:
+            n = f.readinto(view[done:])
+            if not n:
+                raise OSError(f"{path}: shrank to {done} bytes while being copied (expected {view.nbytes})")
+            done += n

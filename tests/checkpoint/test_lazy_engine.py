@@ -1,0 +1,78 @@
+"""LazyCheckpointEngine in one process (no process group): the calls DeepSpeed's save_checkpoint
+makes, in its order, then what is on disk; the host-buffer limit; and, on CUDA, copies on the side
+stream overlapping compute issued after the save returned."""
+
+import pytest
+import torch
+from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo
+
+from lazyzero.checkpoint.lazy_engine import LazyCheckpointEngine
+from lazyzero.checkpoint.layout import read_latest
+from lazyzero.checkpoint.manifest import verify_checkpoint
+from lazyzero.checkpoint.snapshot import HostBufferLimitError
+from lazyzero.config.models import CheckpointConfig
+
+
+def _engine(on_cuda=False, **config) -> LazyCheckpointEngine:
+    return LazyCheckpointEngine(CheckpointConfig(mode="lazy", **config), rank=0, world_size=1, on_cuda=on_cuda)
+
+
+def _save(engine, save_dir, tag, state, step=1):
+    """What DeepSpeedEngine.save_checkpoint does with a checkpoint engine, for one file."""
+    engine.prepare(str(save_dir), save_latest=True, global_steps=step, barrier=lambda: None)
+    info = CheckpointCommitInfo(tag=tag, save_dir=str(save_dir), save_latest=False)
+    engine.create(info)
+    engine.makedirs(str(save_dir / tag), exist_ok=True)
+    engine.save(state, str(save_dir / tag / "model_states.pt"))
+    engine.commit(info)
+
+
+def test_saved_file_holds_the_state_at_save_time_not_after_the_next_update(tmp_path):
+    engine = _engine()
+    weights = torch.arange(1000, dtype=torch.float32)
+    _save(engine, tmp_path, "step1", {"module": {"w": weights, "shape": torch.Size([1000])}, "step": 1})
+    engine.before_optimizer_step()  # what the engine calls before the optimizer changes the state
+    weights.add_(1)
+    engine.wait()
+    manifest = verify_checkpoint(tmp_path / "step1")
+    assert manifest.global_steps == 1 and read_latest(tmp_path) == "step1"
+    saved = torch.load(tmp_path / "step1" / "model_states.pt", weights_only=False)
+    assert torch.equal(saved["module"]["w"], torch.arange(1000, dtype=torch.float32))
+    assert type(saved["module"]["shape"]) is torch.Size  # zero_to_fp32 calls shape.numel()
+    engine.close()
+
+
+def test_buffers_over_the_host_limit_are_refused_naming_the_key(tmp_path):
+    engine = _engine(host_buffer_limit=1000)
+    with pytest.raises(HostBufferLimitError, match="lazyzero.checkpoint.host_buffer_limit: 1000 bytes"):
+        _save(engine, tmp_path, "step1", {"w": torch.zeros(1000)})
+    engine.abandon()
+    _save(engine, tmp_path, "step2", {"w": torch.zeros(10)})  # the slot came back
+    engine.close()
+    verify_checkpoint(tmp_path / "step2")
+
+
+@pytest.mark.gpu
+def test_cuda_copies_run_on_a_side_stream_while_compute_runs(tmp_path):
+    engine = _engine(on_cuda=True)
+    state = {"w": torch.randn(64 << 20, device="cuda")}  # 256 MiB: a copy long enough to see
+    expected = state["w"].cpu()
+    x = torch.randn(8192, 8192, device="cuda")
+    torch.cuda.synchronize()
+    copy_start, copy_end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    copy_start.record(engine._side_stream)
+    _save(engine, tmp_path, "step1", state)
+    copy_end.record(engine._side_stream)
+    compute_start, compute_end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    compute_start.record()
+    for _ in range(20):
+        x = torch.tanh(x @ x)
+    compute_end.record()
+    engine.before_optimizer_step()
+    state["w"].zero_()
+    engine.wait()
+    torch.cuda.synchronize()
+    assert copy_start.elapsed_time(compute_end) > 0 and compute_start.elapsed_time(copy_end) > 0, "no overlap"
+    saved = torch.load(tmp_path / "step1" / "model_states.pt", weights_only=False)
+    assert torch.equal(saved["w"], expected)
+    engine.close()

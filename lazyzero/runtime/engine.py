@@ -16,7 +16,7 @@ from deepspeed.utils.logging import print_dist
 from lazyzero.config import LazyZeroConfig
 from lazyzero.runtime import checkpointing
 from lazyzero.runtime.grad_exchange_hooks import install_int8_gradients
-from lazyzero.runtime.nvme_restore import restore_nvme_offloaded_state
+from lazyzero.runtime.nvme_restore import replay_cpu_adam_after_load, restore_nvme_offloaded_state
 
 
 class LazyZeroEngine(DeepSpeedEngine):
@@ -115,6 +115,7 @@ class LazyZeroEngine(DeepSpeedEngine):
         if load_path is not None and load_optimizer_states and not load_module_only:
             if self.zero_nvme_offload_optimizer():
                 restore_nvme_offloaded_state(self, load_dir, tag)
+            replay_cpu_adam_after_load(self)
             checkpointing.restore_rank_state(self, os.path.join(load_dir, tag))
         return load_path, client_state
 

@@ -3,7 +3,8 @@ to those of an uninterrupted run, on ZeRO stages 1, 2 and 3 (lazyzero.train, 2 r
 
 At stage 3 the run is really killed (SIGKILL on rank 0 while its second checkpoint is being written,
 so 'latest' still names the first); at stages 1 and 2 the resume starts from a copy of the
-uninterrupted run's checkpoint. The NVMe variant is in test_nvme_resume.py.
+uninterrupted run's checkpoint, also with the optimizer offloaded to the CPU (DeepSpeed's CPU Adam).
+The NVMe variant is in test_nvme_resume.py.
 """
 
 import json
@@ -20,19 +21,22 @@ SAVE_AT = 4
 RESUMED_STEPS = 20
 
 
-def _config(tmp_path: Path, stage: int) -> Path:
+def _config(tmp_path: Path, stage: int, offload: bool = False) -> Path:
     config = json.loads((ROOT / "ds_configs" / "cpu_demo_lazy_ckpt.json").read_text())
     config["zero_optimization"] = {"stage": stage}
+    if offload:  # DeepSpeed's CPU Adam, not torch's AdamW, runs the step under ZeRO-Offload
+        config["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+        del config["optimizer"]["params"]["torch_adam"]
     config["lazyzero"]["checkpoint"]["keep_last"] = None  # the stage-1/2 cases copy the first checkpoint
     path = tmp_path / f"stage{stage}.json"
     path.write_text(json.dumps(config))
     return path
 
 
-def _train(config: Path, output_dir: Path, save_dir: Path, *extra: str, env=None):
+def _train(config: Path, output_dir: Path, save_dir: Path, *extra: str, env=None, save_at=SAVE_AT):
     argv = ["--module", "lazyzero.train", "--deepspeed_config", str(config), "--model", "tiny",
             "--train-examples", "200", "--eval-problems", "0", "--output-dir", str(output_dir),
-            "--max-steps", str(SAVE_AT + RESUMED_STEPS), "--save-dir", str(save_dir), *extra]
+            "--max-steps", str(save_at + RESUMED_STEPS), "--save-dir", str(save_dir), *extra]
     return run_distributed("deepspeed", 2, argv, cwd=ROOT, env=env)
 
 
@@ -62,15 +66,21 @@ def test_stage3_run_killed_mid_checkpoint_resumes_on_the_same_trajectory(tmp_pat
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("stage", [1, 2])
-def test_resume_from_lazy_checkpoint_is_exact(tmp_path, stage):
-    config = _config(tmp_path, stage)
-    full = _train(config, tmp_path / "full", tmp_path / "full_ckpt", "--save-every", str(SAVE_AT))
+@pytest.mark.parametrize("stage, offload, save_at", [
+    (1, False, SAVE_AT), (2, False, SAVE_AT),
+    # CPU Adam's bias correction after a resume differs in the last bit at step 13 unless its beta
+    # powers are replayed (lazyzero/runtime/nvme_restore.py): resume at 12 checks that.
+    (3, True, 12)])
+def test_resume_from_lazy_checkpoint_is_exact(tmp_path, stage, offload, save_at):
+    config = _config(tmp_path, stage, offload)
+    full = _train(config, tmp_path / "full", tmp_path / "full_ckpt", "--save-every", str(save_at), save_at=save_at)
     assert full.returncode == 0, full.stdout[-4000:]
     resume_dir = tmp_path / "resume_ckpt"
-    shutil.copytree(tmp_path / "full_ckpt" / f"step{SAVE_AT}", resume_dir / f"step{SAVE_AT}")
-    (resume_dir / "latest").write_text(f"step{SAVE_AT}")
+    shutil.copytree(tmp_path / "full_ckpt" / f"step{save_at}", resume_dir / f"step{save_at}")
+    (resume_dir / "latest").write_text(f"step{save_at}")
 
-    resumed = _train(config, tmp_path / "resumed", resume_dir, "--resume")
+    resumed = _train(config, tmp_path / "resumed", resume_dir, "--resume", save_at=save_at)
     assert resumed.returncode == 0, resumed.stdout[-4000:]
-    assert _losses(tmp_path / "resumed") == _losses(tmp_path / "full")[SAVE_AT:]
+    expected = _losses(tmp_path / "full")[save_at:]
+    assert len(expected) == RESUMED_STEPS
+    assert _losses(tmp_path / "resumed") == expected

@@ -16,7 +16,7 @@ import torch
 from lazyzero.checkpoint.durable_io import (HashingFileWriter, durable_rename, fsync_dir, remove_tree,
                                             write_file_atomically)
 from lazyzero.checkpoint.faults import failpoint
-from lazyzero.checkpoint.layout import LATEST_NAME, temp_dir, trash_dir
+from lazyzero.checkpoint.layout import LATEST_NAME, read_latest, temp_dir, trash_dir
 from lazyzero.checkpoint.manifest import Manifest, committed_tags
 from lazyzero.checkpoint.snapshot import FileSnapshot
 from lazyzero.checkpoint.zip_crc import without_zip_crc
@@ -34,9 +34,11 @@ def write_file(snap: FileSnapshot, folder: Path, fail_midway: bool) -> tuple[str
             with without_zip_crc():  # the manifest's hash covers every byte, at a tenth of the CPU time
                 torch.save(snap.state, writer)
         writer.sync_and_close()
-    except BaseException:
+    except BaseException as err:
         writer.close()
         path.unlink(missing_ok=True)
+        if writer.error is not None and err is not writer.error:
+            raise writer.error from err
         raise
     return snap.relpath, writer.size, writer.digest()
 
@@ -74,9 +76,31 @@ def commit_on_rank0(save_dir: Path, manifest: Manifest, save_latest: bool, keep_
     remove_tree(trash_dir(save_dir, manifest.tag))
     failpoint("after_rename")
     if save_latest:
-        write_file_atomically(save_dir / LATEST_NAME, manifest.tag.encode())
+        advance_latest(save_dir, manifest.tag)
     failpoint("after_latest")
     return apply_retention(save_dir, keep_last, protect=manifest.tag)
+
+
+def advance_latest(save_dir: Path, tag: str) -> None:
+    """Point 'latest' at `tag`. If that fails after the rename (the fsync of save_dir), 'latest' is
+    put back: a failed save never leaves 'latest' naming its checkpoint."""
+    previous = read_latest(save_dir)
+    try:
+        write_file_atomically(save_dir / LATEST_NAME, tag.encode())
+    except BaseException:
+        if read_latest(save_dir) == tag:
+            _put_back_latest(save_dir, previous)
+        raise
+
+
+def _put_back_latest(save_dir: Path, previous: str | None) -> None:
+    try:
+        if previous is None:
+            (save_dir / LATEST_NAME).unlink(missing_ok=True)
+        else:
+            write_file_atomically(save_dir / LATEST_NAME, previous.encode())
+    except OSError:
+        pass  # the original error is the one to report; the load falls back to a committed tag anyway
 
 
 def apply_retention(save_dir: Path, keep_last: int | None, protect: str) -> list[str]:

@@ -37,6 +37,7 @@ class HashingFileWriter(io.RawIOBase):
         self.path = str(path)
         self.fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
         self.size = 0
+        self.error: OSError | None = None
         self._hash = new_hash()
         self._fail_midway_at = fail_midway_at
 
@@ -45,11 +46,17 @@ class HashingFileWriter(io.RawIOBase):
 
     def write(self, data) -> int:
         view = memoryview(data).cast("B")
-        io_fault("write", self.path)
+        try:
+            io_fault("write", self.path)
+            written = 0
+            while written < view.nbytes:
+                written += os.write(self.fd, view[written:])
+        except OSError as err:
+            # torch.save's zip writer replaces an error from its sink with an 'unexpected pos'
+            # RuntimeError; the caller re-raises this one so the report says disk full / I/O error.
+            self.error = err
+            raise
         self._hash.update(view)
-        written = 0
-        while written < view.nbytes:
-            written += os.write(self.fd, view[written:])
         self.size += written
         if self._fail_midway_at is not None and self.size >= self._fail_midway_at:
             self._fail_midway_at = None  # once per file: 'mid_file#N' counts files, not writes
@@ -99,11 +106,11 @@ def write_file_atomically(path: str | os.PathLike, data: bytes) -> str:
     try:
         writer.write(data)
         writer.sync_and_close()
+        durable_rename(partial, path)
     except BaseException:
         writer.close()
         partial.unlink(missing_ok=True)
         raise
-    durable_rename(partial, path)
     return writer.digest()
 
 

@@ -95,6 +95,11 @@ class LazyCheckpointEngine(CheckpointEngine):
         self.raise_failures()
         self.clean_leftovers(save_dir, barrier)
         slot = self._take_slot()
+        try:
+            self.raise_failures()  # the checkpoint whose end freed the slot may have failed
+        except CheckpointFailedError:
+            self._free_slots.put(slot)
+            raise
         self._current = PendingCheckpoint(tag="", save_dir=Path(save_dir), save_latest=save_latest,
                                           global_steps=global_steps, slot=slot)
 
@@ -282,20 +287,23 @@ class LazyCheckpointEngine(CheckpointEngine):
 
     def _commit_if_all_written(self, checkpoint: PendingCheckpoint, statuses: list[dict]) -> str | None:
         errors = [s["error"] for s in statuses if s["error"]]
+        if errors:
+            discard_temp(checkpoint.save_dir, checkpoint.tag)
+            return f"checkpoint {checkpoint.tag!r} was not committed: " + "; ".join(errors)
+        files = {relpath: entry for s in statuses for relpath, entry in s["files"].items()}
+        manifest = Manifest(checkpoint.tag, self.world_size, checkpoint.global_steps, files)
         try:
-            if errors:
-                return f"checkpoint {checkpoint.tag!r} was not committed: " + "; ".join(errors)
-            files = {relpath: entry for s in statuses for relpath, entry in s["files"].items()}
-            manifest = Manifest(checkpoint.tag, self.world_size, checkpoint.global_steps, files)
             deleted = commit_on_rank0(checkpoint.save_dir, manifest, checkpoint.save_latest, self.config.keep_last)
-            if deleted:
-                print(f"lazyzero: keep_last={self.config.keep_last}: deleted checkpoint(s) {', '.join(deleted)}", flush=True)
-            return None
         except BaseException as err:  # noqa: BLE001 - shared with every rank by the broadcast
-            return f"checkpoint {checkpoint.tag!r} was not committed: rank 0: {type(err).__name__}: {err}"
-        finally:
-            if errors or not (checkpoint.save_dir / checkpoint.tag).is_dir():
-                discard_temp(checkpoint.save_dir, checkpoint.tag)
+            renamed = not temp_dir(checkpoint.save_dir, checkpoint.tag).exists() and (checkpoint.save_dir / checkpoint.tag).is_dir()
+            discard_temp(checkpoint.save_dir, checkpoint.tag)
+            if not renamed:
+                return f"checkpoint {checkpoint.tag!r} was not committed: rank 0: {type(err).__name__}: {err}"
+            return (f"checkpoint {checkpoint.tag!r} is complete in {checkpoint.save_dir / checkpoint.tag} but 'latest' was "
+                    f"not advanced to it: rank 0: {type(err).__name__}: {err}")
+        if deleted:
+            print(f"lazyzero: keep_last={self.config.keep_last}: deleted checkpoint(s) {', '.join(deleted)}", flush=True)
+        return None
 
     def _finish(self, checkpoint: PendingCheckpoint, error: str | None) -> None:
         marks = checkpoint.timings

@@ -25,6 +25,8 @@ TARGETS = {
     "bench_quant": {"quant_vs_memcpy": (">=", 0.5), "quant_vs_ref": (">=", 4.0)},
     "bench_grad_comm": {"wire_ratio_vs_fp32": ("<=", 0.27), "time_ratio_vs_fp32": ("<=", 0.6)},
     "bench_int8_convergence": {"loss_ratio_stage2": ("<=", 1.02), "loss_ratio_stage3": ("<=", 1.02)},
+    "bench_checkpoint": {"stall_ratio_vs_deepspeed": (">=", 50.0), "e2e_overhead": ("<=", 1.05),
+                         "write_bw_ratio": (">=", 0.8)},
 }
 _COMPARE = {">=": operator.ge, "<=": operator.le}
 

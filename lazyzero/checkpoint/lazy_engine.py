@@ -25,7 +25,6 @@ from pathlib import Path
 
 import torch
 from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo, CheckpointEngine
-from deepspeed.utils import logger
 
 from lazyzero.checkpoint.commit import commit_on_rank0, discard_temp, write_rank_files
 from lazyzero.checkpoint.faults import failpoint
@@ -33,10 +32,8 @@ from lazyzero.checkpoint.layout import check_tag, leftover_dirs, temp_dir
 from lazyzero.checkpoint.durable_io import remove_tree
 from lazyzero.checkpoint.manifest import Manifest
 from lazyzero.checkpoint.snapshot import (BufferBudget, FileSnapshot, HostBuffers, run_copies, snapshot_file,
-                                          snapshot_state)
+                                          snapshot_state, start_device_copies)
 
-# Writers yield the cores to training: their only deadline is the next save.
-BACKGROUND_NICE = 10
 
 
 class CheckpointFailedError(RuntimeError):
@@ -118,17 +115,13 @@ class LazyCheckpointEngine(CheckpointEngine):
             return
         if self.rank == 0:
             for leftover in leftover_dirs(root):
-                logger.warning(f"lazyzero: removing {leftover}, left by an interrupted checkpoint")
                 print(f"lazyzero: removing {leftover}, left by an interrupted checkpoint", flush=True)
                 remove_tree(leftover)
         barrier()
         self._cleaned_dirs.add(root)
 
-    def add_file(self, relpath: str, state) -> None:
-        """A file of lazyzero's own state in the checkpoint being saved."""
-        self._current.files.append(snapshot_state(relpath, state, self._current.slot))
-
     def add_raw_file(self, relpath: str, source: str) -> None:
+        """A file copied byte for byte into the checkpoint being saved (NVMe swap files)."""
         self._current.files.append(snapshot_file(relpath, source, self._current.slot))
 
     def before_optimizer_step(self) -> None:
@@ -229,16 +222,9 @@ class LazyCheckpointEngine(CheckpointEngine):
 
     def _start_copies(self, checkpoint: PendingCheckpoint) -> None:
         if self._side_stream is not None:
-            device_copies = [(f, [(d, s) for d, s in f.copies if s.is_cuda]) for f in checkpoint.files]
-            self._side_stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(self._side_stream):
-                for snap, pairs in device_copies:
-                    for dst, src in pairs:
-                        dst.copy_(src, non_blocking=True)
-                        src.record_stream(self._side_stream)
-                    snap.copies = [(d, s) for d, s in snap.copies if not s.is_cuda]
-                checkpoint.cuda_copies = torch.cuda.Event()
-                checkpoint.cuda_copies.record(self._side_stream)
+            start_device_copies(checkpoint.files, self._side_stream)
+            checkpoint.cuda_copies = torch.cuda.Event()
+            checkpoint.cuda_copies.record(self._side_stream)
         self._copy_queue.put(checkpoint)
 
     def _wait_copies(self, checkpoint: PendingCheckpoint) -> None:
@@ -247,6 +233,7 @@ class LazyCheckpointEngine(CheckpointEngine):
             checkpoint.cuda_copies.synchronize()
 
     def _copy_loop(self) -> None:
+        _lower_priority()
         while (checkpoint := self._copy_queue.get()) is not None:
             try:
                 run_copies(checkpoint.files)
@@ -346,7 +333,11 @@ def _side_group(world_size: int):
 
 
 def _lower_priority() -> None:
+    """Run this thread only on CPU time training leaves idle (Linux SCHED_IDLE): where training
+    keeps every core busy (a CPU-only run), background work must not slow it; where the host is
+    mostly idle (GPU training) this costs nothing. The copies need no deadline of their own either:
+    once the next optimizer step waits for them, training is idle and they run."""
     try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), BACKGROUND_NICE)
-    except OSError:
-        pass
+        os.sched_setscheduler(threading.get_native_id(), os.SCHED_IDLE, os.sched_param(0))
+    except (AttributeError, OSError):
+        pass  # not Linux: normal priority

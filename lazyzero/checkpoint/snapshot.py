@@ -139,10 +139,12 @@ def snapshot_file(relpath: str, source: str | os.PathLike, buffers: HostBuffers)
 
 
 def run_copies(files: list[FileSnapshot]) -> None:
-    """Fill every host buffer of `files` (blocking; called on the copy thread or inside a side stream)."""
+    """Fill the host buffers of `files` from host tensors and files (blocking; on the copy thread).
+    Device tensors are copied by the side stream instead (`start_device_copies`)."""
     for snap in files:
         for dst, src in snap.copies:
-            dst.copy_(src, non_blocking=dst.is_pinned())
+            if not src.is_cuda:
+                dst.copy_(src)
         if snap.raw_source is not None:
             _read_into(snap.raw_source, snap.raw)
 
@@ -156,3 +158,15 @@ def _read_into(path: str, buffer: torch.Tensor) -> None:
             if not n:
                 raise OSError(f"{path}: shrank to {done} bytes while being copied (expected {view.nbytes})")
             done += n
+
+
+def start_device_copies(files: list[FileSnapshot], stream) -> None:
+    """Queue the device-to-host copies of `files` on `stream` (CUDA), after the work already queued
+    on the current stream (the step that produced the state); returns at once."""
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for snap in files:
+            for dst, src in snap.copies:
+                if src.is_cuda:
+                    dst.copy_(src, non_blocking=True)
+                    src.record_stream(stream)  # the caching allocator must not reuse it before the copy

@@ -68,9 +68,8 @@ def prepare_load(engine, load_dir: str, tag: str | None) -> str | None:
         engine.checkpoint_engine.clean_leftovers(load_dir, barrier=dist.barrier)
         if tag is None:
             tag, why = resolve_tag_to_load(load_dir)
-            if why:
-                logger.warning(f"lazyzero: {why}")
-                print(f"lazyzero: {why}", flush=True) if engine.global_rank == 0 else None
+            if why and engine.global_rank == 0:
+                print(f"lazyzero: {why}", flush=True)
             if tag is None:
                 return None
     if tag is None:

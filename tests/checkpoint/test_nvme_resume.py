@@ -74,10 +74,9 @@ def full_run(tmp_path_factory):
 
 # Step 4: the first checkpoint. Step 12: the step after it (13) is one where CPU Adam's pow(0.95, t)
 # and its running product differ in the last bit, so it also checks the bias-correction replay.
-@pytest.mark.slow
 @pytest.mark.multiproc
 @needs_libaio
-@pytest.mark.parametrize("resume_step", [4, 12])
+@pytest.mark.parametrize("resume_step", [4, pytest.param(12, marks=pytest.mark.slow)])
 def test_resume_from_nvme_checkpoint_repeats_the_losses_bit_for_bit(full_run, resume_step, tmp_path):
     save_dir, full_losses = full_run
     resume_dir = tmp_path / "save"

@@ -108,8 +108,7 @@ def apply_retention(save_dir: Path, keep_last: int | None, protect: str) -> list
     if keep_last is None:
         return []
     tags = committed_tags(save_dir)
-    latest_path = save_dir / LATEST_NAME
-    keep = {protect} | ({latest_path.read_text().strip()} if latest_path.is_file() else set())
+    keep = {protect, read_latest(save_dir)}
     doomed = [t for t in tags[:-keep_last] if t not in keep]
     for tag in doomed:
         # Renamed first: a crash mid-delete leaves a trash folder, cleaned at start, not a damaged tag.

@@ -27,13 +27,12 @@ import torch
 from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo, CheckpointEngine
 
 from lazyzero.checkpoint.commit import commit_on_rank0, discard_temp, write_rank_files
+from lazyzero.checkpoint.durable_io import remove_tree
 from lazyzero.checkpoint.faults import failpoint
 from lazyzero.checkpoint.layout import check_tag, leftover_dirs, temp_dir
-from lazyzero.checkpoint.durable_io import remove_tree
 from lazyzero.checkpoint.manifest import Manifest
 from lazyzero.checkpoint.snapshot import (BufferBudget, FileSnapshot, HostBuffers, run_copies, snapshot_file,
                                           snapshot_state, start_device_copies)
-
 
 
 class CheckpointFailedError(RuntimeError):

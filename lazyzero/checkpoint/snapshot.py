@@ -66,10 +66,6 @@ class HostBuffers:
         self._by_key[key] = buffer
         return buffer
 
-    @property
-    def nbytes(self) -> int:
-        return sum(b.numel() * b.element_size() for b in self._by_key.values())
-
 
 class BufferBudget:
     """Host bytes held by snapshot buffers, against the configured limit (None: no limit)."""

@@ -12,7 +12,7 @@ from deepspeed import comm as dist
 from deepspeed.utils import logger
 
 from lazyzero.checkpoint.lazy_engine import LazyCheckpointEngine
-from lazyzero.checkpoint.layout import MANIFEST_NAME
+from lazyzero.checkpoint.layout import MANIFEST_NAME, read_latest
 from lazyzero.checkpoint.manifest import resolve_tag_to_load, verify_checkpoint
 from lazyzero.runtime.rank_state import load_rank_state, rank_state_document, rank_state_path
 
@@ -73,10 +73,9 @@ def prepare_load(engine, load_dir: str, tag: str | None) -> str | None:
             if tag is None:
                 return None
     if tag is None:
-        latest = Path(load_dir) / "latest"
-        if not latest.is_file():
-            return None  # DeepSpeed warns and returns (None, None) itself
-        tag = latest.read_text().strip()
+        tag = read_latest(load_dir)
+        if tag is None:
+            return None  # no 'latest': nothing to load, as with DeepSpeed
     tag_dir = Path(load_dir) / str(tag)
     if engine.lazyzero_config.checkpoint.verify_on_load and (tag_dir / MANIFEST_NAME).exists():
         verify_checkpoint(tag_dir)

@@ -76,3 +76,14 @@ def test_cuda_copies_run_on_a_side_stream_while_compute_runs(tmp_path):
     saved = torch.load(tmp_path / "step1" / "model_states.pt", weights_only=False)
     assert torch.equal(saved["w"], expected)
     engine.close()
+
+
+def test_keep_last_deletes_older_committed_checkpoints_and_keeps_latest(tmp_path):
+    engine = _engine(keep_last=2)
+    for step in range(1, 5):
+        _save(engine, tmp_path, f"step{step}", {"w": torch.full((10,), float(step))}, step=step)
+        engine.wait()
+    engine.close()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step3", "step4"]
+    assert read_latest(tmp_path) == "step4"
+    verify_checkpoint(tmp_path / "step3")

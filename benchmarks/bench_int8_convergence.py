@@ -26,14 +26,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # `common` sits beside this script
 from common import write_results  # noqa: E402
+from convergence import ROOT, TAIL, plot_panels, train  # noqa: E402
 
-from lazyzero.testing import run_distributed  # noqa: E402
-
-ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = {"fp32": ROOT / "ds_configs" / "cpu_demo.json", "int8": ROOT / "ds_configs" / "cpu_demo_int8.json"}
 STAGES = (2, 3)
-TAIL = 50
-SMOOTHING = 10
 
 
 def parse_args() -> argparse.Namespace:
@@ -55,52 +51,8 @@ def stage_config(kind: str, stage: int, runs: Path) -> Path:
     return path
 
 
-def losses(run_dir: Path) -> list[float]:
-    metrics = run_dir / "metrics.jsonl"
-    if not metrics.is_file():
-        return []
-    return [json.loads(line)["loss"] for line in metrics.read_text().splitlines()]
-
-
-def train(kind: str, stage: int, seed: int, steps: int, runs: Path) -> Path:
-    run_dir = runs / f"stage{stage}_{kind}_seed{seed}"
-    if len(losses(run_dir)) >= steps:
-        print(f"[convergence] reusing {run_dir}", flush=True)
-        return run_dir
-    print(f"[convergence] training stage {stage} {kind} seed {seed}, {steps} steps -> {run_dir}", flush=True)
-    argv = ["--module", "lazyzero.train", "--deepspeed_config", str(stage_config(kind, stage, runs)),
-            "--model", "demo", "--max-steps", str(steps), "--seed", str(seed), "--output-dir", str(run_dir)]
-    proc = run_distributed("deepspeed", 2, argv, timeout=3600, cwd=ROOT)
-    if proc.returncode != 0:
-        raise SystemExit(f"training stage {stage} {kind} failed:\n{proc.stdout[-4000:]}")
-    return run_dir
-
-
-def smoothed(values: list[float]) -> list[float]:
-    return [sum(values[max(0, i - SMOOTHING + 1): i + 1]) / len(values[max(0, i - SMOOTHING + 1): i + 1])
-            for i in range(len(values))]
-
-
-def plot(curves: dict[int, dict[str, list[float]]], ratios: dict[str, float], path: Path) -> None:
-    """One panel per stage; `curves[stage]` maps a label to its losses."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    figure, axes = plt.subplots(1, len(curves), figsize=(6 * len(curves), 4), squeeze=False)
-    for axis, (stage, by_kind) in zip(axes[0], curves.items()):
-        for label, values in by_kind.items():
-            axis.plot(range(1, len(values) + 1), smoothed(values), label=label,
-                      linestyle="-" if label.startswith("int8") else "--")
-        axis.set_title(f"ZeRO-{stage}: last-{TAIL} loss int8/fp32 = {ratios[f'loss_ratio_stage{stage}']:.4f}")
-        axis.set_xlabel("step")
-        axis.set_ylabel(f"training loss (mean of {SMOOTHING})")
-        axis.set_yscale("log")
-        axis.legend()
-    figure.tight_layout()
-    figure.savefig(path, dpi=110)
-    print(f"wrote {path}")
+def train_kind(kind: str, stage: int, seed: int, steps: int, runs: Path) -> list[float]:
+    return train(stage_config(kind, stage, runs), runs / f"stage{stage}_{kind}_seed{seed}", seed, steps)
 
 
 def main() -> None:
@@ -111,7 +63,7 @@ def main() -> None:
     for seed in args.seeds:
         for stage in STAGES:
             for kind in CONFIGS:
-                values = losses(train(kind, stage, seed, steps, args.runs))[:steps]
+                values = train_kind(kind, stage, seed, steps, args.runs)
                 curves[stage][f"{kind} gradients, seed {seed}"] = values
                 tails[stage, kind, seed] = sum(values[-TAIL:]) / TAIL
     ratios, details = {}, {"steps": steps, "seeds": args.seeds, f"mean_last_{TAIL}_loss": {}}
@@ -126,7 +78,9 @@ def main() -> None:
     ratios["fp32_stage3_over_stage2"] = fp32[3] / fp32[2]
     write_results(args.out, "bench_int8_convergence", args.quick, ratios, details)
     if args.out is not None:
-        plot(curves, ratios, args.out.with_suffix(".png"))
+        panels = {f"ZeRO-{stage}: last-{TAIL} loss int8/fp32 = {ratios[f'loss_ratio_stage{stage}']:.4f}": curves[stage]
+                  for stage in STAGES}
+        plot_panels(panels, args.out.with_suffix(".png"))
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 // CUDA kernels register themselves in their own .cu files, which are built only where CUDA exists.
 #include <torch/library.h>
 
+#include "optim/adam_cpu.h"
 #include "quant/quant_cpu.h"
 
 TORCH_LIBRARY_IMPL(lazyzero, CPU, m) {
@@ -14,4 +15,11 @@ TORCH_LIBRARY_IMPL(lazyzero, CPU, m) {
   m.impl("dequantize_int4", &dequantize_int4_cpu);
   m.impl("dequantize_sum_int8", &dequantize_sum_int8_cpu);
   m.impl("dequantize_sum_int8_into", &dequantize_sum_int8_into_cpu);
+}
+
+TORCH_LIBRARY_IMPL(lazyzero, CPU, m) {
+  using namespace lazyzero::optim;
+  m.impl("adam8bit_step_", &adam8bit_step_cpu);
+  m.impl("adam32_step_", &adam32_step_cpu);
+  m.impl("sum_squares", &sum_squares_cpu);
 }

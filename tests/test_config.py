@@ -162,7 +162,6 @@ BAD_CONFIGS = [
      "got true; allowed: false while lazyzero.gradients.quantize is 'none'"),
     ({"plan": {"enabled": True}}, "lazyzero.plan.enabled", "got true; not available in lazyzero 0.1.0 yet (issue 7); allowed now: false"),
     ({"activations": {"enabled": True}}, "lazyzero.activations.enabled", "(issue 6); allowed now: false"),
-    ({"optimizer": {"type": "adamw8bit"}}, "lazyzero.optimizer.type", "(issue 5); allowed now: 'none'"),
     # lazyzero paths on this machine
     ({"plan": {"nvme_path": "{tmp}/missing/deeper"}}, "lazyzero.plan.nvme_path", "allowed: an existing directory this process can write to (it does not exist"),
     ({"plan": {"nvme_path": "{tmp}/a_file"}}, "lazyzero.plan.nvme_path", "(it is not a directory)"),
@@ -193,6 +192,13 @@ DEEPSPEED_CONFLICTS = [
      "zero_optimization.offload_param.nvme_path", "(it is not a directory)"),
     ({"optimizer": {"type": "SGD"}, "lazyzero": {"optimizer": {"type": "adam8bit"}}}, "lazyzero.optimizer.type",
      "allowed: 'none' unless optimizer.type is Adam or AdamW (conflict with the DeepSpeed settings around it"),
+    ({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": "{tmp}"}},
+      "lazyzero": {"optimizer": {"type": "adamw8bit"}}}, "lazyzero.optimizer.type",
+     "allowed: 'none' while zero_optimization.offload_optimizer.device is 'nvme'"),
+    ({"zero_optimization": {"stage": 2, "elastic_checkpoint": True}, "lazyzero": {"optimizer": {"type": "adam8bit"}}},
+     "lazyzero.optimizer.type", "allowed: 'none' while zero_optimization.elastic_checkpoint is true"),
+    ({"checkpoint": {"load_universal": True}, "lazyzero": {"optimizer": {"type": "adam8bit"}}},
+     "lazyzero.optimizer.type", "allowed: 'none' while checkpoint.load_universal is true"),
     ({"zero_optimization": {"stage": 3, "zero_quantized_gradients": True}, "lazyzero": {"gradients": {"quantize": "int8"}}},
      "lazyzero.gradients.quantize", "allowed: 'none' while zero_optimization.zero_quantized_gradients is true"),
     ({"zero_optimization": {"stage": 2, "contiguous_gradients": False}, "lazyzero": {"gradients": {"quantize": "int8"}}},
@@ -227,12 +233,9 @@ def test_deepspeed_settings_that_do_not_conflict_are_accepted(workdir, ds_config
     validate_ds_config(with_tmp(ds_config, workdir))
 
 
-def test_eight_bit_optimizer_over_adamw_is_no_conflict():
-    # Still gated until issue 5, but the only complaint must be the gate, not a conflict.
-    with pytest.raises(LazyZeroConfigError) as caught:
-        validate_ds_config({"optimizer": {"type": "AdamW"}, "lazyzero": {"optimizer": {"type": "adam8bit"}}})
-    assert caught.value.problems == [
-        "lazyzero.optimizer.type: got 'adam8bit'; not available in lazyzero 0.1.0 yet (issue 5); allowed now: 'none'"]
+def test_eight_bit_optimizer_over_adamw_with_cpu_offload_is_accepted():
+    validate_ds_config({"optimizer": {"type": "AdamW"}, "lazyzero": {"optimizer": {"type": "adam8bit"}},
+                        "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}})
 
 
 def test_read_only_nvme_path_is_rejected(tmp_path):

@@ -85,16 +85,42 @@ def _directory_problems(path: str, directory: Any) -> list[Problem]:
 
 
 def _optimizer_conflicts(config: LazyZeroConfig, ds_config: dict) -> list[Problem]:
+    if config.optimizer.type == "none":
+        return []
+    problems = [Problem.conflict("lazyzero.optimizer.type", config.optimizer.type, f"'none' while {setting} is {value}", why)
+                for setting, value, why in _eight_bit_state_blockers(ds_config)]
     ds_optimizer = ds_config.get("optimizer")
-    if config.optimizer.type == "none" or not isinstance(ds_optimizer, dict) or "type" not in ds_optimizer:
+    if not isinstance(ds_optimizer, dict) or "type" not in ds_optimizer:
         # Without an "optimizer" section the optimizer comes from code; the engine checks it there.
-        return []
+        return problems
     ds_type = ds_optimizer["type"]
-    if isinstance(ds_type, str) and ds_type.lower() in ADAM_FAMILY:
-        return []
-    return [Problem.conflict(
-        "lazyzero.optimizer.type", config.optimizer.type, "'none' unless optimizer.type is Adam or AdamW",
-        f"optimizer.type is {ds_type!r}; the 8-bit optimizers replace Adam or AdamW and take their hyper-parameters")]
+    if not (isinstance(ds_type, str) and ds_type.lower() in ADAM_FAMILY):
+        problems.append(Problem.conflict(
+            "lazyzero.optimizer.type", config.optimizer.type, "'none' unless optimizer.type is Adam or AdamW",
+            f"optimizer.type is {ds_type!r}; the 8-bit optimizers replace Adam or AdamW and take their hyper-parameters"))
+    return problems
+
+
+def _eight_bit_state_blockers(ds_config: dict) -> list[tuple[str, str, str]]:
+    """DeepSpeed settings that would move or reshape optimizer states as fp32 tensors of the
+    partition's size, which 8-bit codes and per-block scales are not: (setting, value, why)."""
+    zero = ds_config.get("zero_optimization")
+    zero = zero if isinstance(zero, dict) else {}
+    offload = zero.get("offload_optimizer")
+    blockers = []
+    if isinstance(offload, dict) and offload.get("device") == "nvme":
+        blockers.append(("zero_optimization.offload_optimizer.device", "'nvme'",
+                         "DeepSpeed's optimizer swapper moves fp32 tensors of the parameter's size, and the 8-bit "
+                         "states are not swapped yet; use offload_optimizer.device 'cpu'"))
+    if zero.get("elastic_checkpoint") is True:
+        blockers.append(("zero_optimization.elastic_checkpoint", "true",
+                         "elastic checkpoints re-split optimizer states as fp32 partition slices; 8-bit states are "
+                         "saved per rank and reload on the same number of ranks"))
+    checkpoint = ds_config.get("checkpoint")
+    if isinstance(checkpoint, dict) and checkpoint.get("load_universal") is True:
+        blockers.append(("checkpoint.load_universal", "true",
+                         "universal checkpoints hold fp32 exp_avg/exp_avg_sq per parameter, not 8-bit states"))
+    return blockers
 
 
 def _gradient_conflicts(config: LazyZeroConfig, ds_config: dict, world_size: Optional[int]) -> list[Problem]:

@@ -14,7 +14,6 @@ from lazyzero.config.models import LazyZeroConfig
 NOT_YET_AVAILABLE = {
     "plan.enabled": (False, 7),
     "activations.enabled": (False, 6),
-    "optimizer.type": ("none", 5),
 }
 
 

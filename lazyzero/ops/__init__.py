@@ -4,6 +4,15 @@ Importing this package defines the op schemas and never compiles anything; the k
 first use (see `lazyzero.ops.build`).
 """
 
+from lazyzero.ops.adam8bit import (
+    adam8bit_step_,
+    adam32_step_,
+    dequantize_m,
+    dequantize_s,
+    quantize_m,
+    quantize_s,
+    sum_squares,
+)
 from lazyzero.ops.quant import (
     BlockQuantized,
     dequantize_blockwise,
@@ -11,4 +20,16 @@ from lazyzero.ops.quant import (
     quantize_blockwise,
 )
 
-__all__ = ["BlockQuantized", "dequantize_blockwise", "dequantize_sum_int8", "quantize_blockwise"]
+__all__ = [
+    "BlockQuantized",
+    "adam32_step_",
+    "adam8bit_step_",
+    "dequantize_blockwise",
+    "dequantize_m",
+    "dequantize_s",
+    "dequantize_sum_int8",
+    "quantize_blockwise",
+    "quantize_m",
+    "quantize_s",
+    "sum_squares",
+]

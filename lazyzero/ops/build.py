@@ -39,20 +39,22 @@ BACKENDS = ("cpu", "cuda")
 
 # The one list of sources, relative to csrc/, that every build of each backend compiles.
 NATIVE_SOURCES = {
-    "cpu": ("registration.cpp", "quant/quant_cpu.cpp"),
-    "cuda": ("quant/quant_cuda.cu",),
+    "cpu": ("registration.cpp", "quant/quant_cpu.cpp", "optim/adam_cpu.cpp"),
+    "cuda": ("quant/quant_cuda.cu", "optim/adam_cuda.cu"),
 }
 
 # -ffp-contract=off: a fused multiply-add rounds once where the reference rounds twice, and the
-# kernels must match the reference bit for bit. -fno-trapping-math only lets gcc vectorize floor();
-# values are unchanged.
-CXX_FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-fno-trapping-math")
+# kernels must match the reference bit for bit. -fno-trapping-math only lets gcc vectorize floor(),
+# -fno-math-errno sqrt() (no errno branch for negative inputs); values are unchanged.
+CXX_FLAGS = (
+    "-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-fno-trapping-math", "-fno-math-errno"
+)
 LD_FLAGS = ("-fopenmp",)
 # --fmad=false for the same reason as -ffp-contract=off; the kernels also use explicit __fmul_rn.
 NVCC_FLAGS = ("-O3", "--fmad=false")
 
 # Modules whose import defines the schemas the native kernels attach to.
-SCHEMA_MODULES = ("lazyzero.ops.quant",)
+SCHEMA_MODULES = ("lazyzero.ops.quant", "lazyzero.ops.adam8bit")
 
 _FAILURE_MARKER = "BUILD_FAILED"
 

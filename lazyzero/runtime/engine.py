@@ -14,7 +14,7 @@ from deepspeed.runtime.engine import DeepSpeedEngine
 from deepspeed.utils.logging import print_dist
 
 from lazyzero.config import LazyZeroConfig
-from lazyzero.runtime import checkpointing
+from lazyzero.runtime import checkpointing, optimizer_setup
 from lazyzero.runtime.grad_exchange_hooks import install_int8_gradients
 from lazyzero.runtime.nvme_restore import replay_cpu_adam_after_load, restore_nvme_offloaded_state
 
@@ -26,6 +26,7 @@ class LazyZeroEngine(DeepSpeedEngine):
         # Set before DeepSpeed's constructor: its configure hooks, which our overrides will
         # extend, run inside it and need to know which features are on.
         self.lazyzero_config = lazyzero_config
+        optimizer_setup.check_optimizer_source(lazyzero_config, kwargs.get("optimizer"), kwargs.get("config_class"))
         super().__init__(*args, **kwargs)
         self._gradient_exchange = None
         if lazyzero_config.gradients.quantize == "int8":
@@ -43,8 +44,12 @@ class LazyZeroEngine(DeepSpeedEngine):
         With lazy checkpoints, this rank's figures of the newest committed checkpoint:
         `checkpoint_tag`, `checkpoint_bytes`, `checkpoint_copy_s`, `checkpoint_write_s` and
         `checkpoint_commit_s` (from `save_checkpoint` returning to the commit).
+        With the 8-bit optimizer, `optimizer_state_bytes`: this rank's moment state (codes, scales and
+        the fp32 moments of the groups that keep them).
         """
         metrics = {}
+        if self.uses_8bit_optimizer:
+            metrics["optimizer_state_bytes"] = self.basic_optimizer.state_bytes()
         if self._gradient_exchange is not None:
             metrics.update(self._gradient_exchange.last_step_metrics)
         if self.lazy_checkpoints and self.checkpoint_engine.last_commit is not None:
@@ -53,6 +58,36 @@ class LazyZeroEngine(DeepSpeedEngine):
                            checkpoint_copy_s=commit["copy_s"], checkpoint_write_s=commit["write_s"],
                            checkpoint_commit_s=commit["queued_to_committed_s"])
         return metrics
+
+    # --- 8-bit optimizer and fused clipping (lazyzero/runtime/optimizer_setup.py) -------------------
+
+    @property
+    def uses_8bit_optimizer(self) -> bool:
+        return self.lazyzero_config.optimizer.type != "none"
+
+    def _configure_basic_optimizer(self, model_parameters):
+        if not self.uses_8bit_optimizer:
+            return super()._configure_basic_optimizer(model_parameters)
+        return optimizer_setup.build_8bit_optimizer(self, model_parameters)
+
+    def _configure_zero_optimizer(self, optimizer):
+        zero_optimizer = super()._configure_zero_optimizer(optimizer)
+        if self._fused_clipping:
+            optimizer_setup.install_fused_clipping(self, zero_optimizer)
+        return zero_optimizer
+
+    @property
+    def _fused_clipping(self) -> bool:
+        return self.uses_8bit_optimizer and self.lazyzero_config.optimizer.fused_clipping
+
+    def clip_fp32_gradients(self):
+        # With fused clipping, stage 0's clip factor is applied inside the optimizer step.
+        if not self._fused_clipping:
+            super().clip_fp32_gradients()
+
+    def _stage_0_fused_clipping(self) -> bool:
+        return (self._fused_clipping and not self.zero_optimization()
+                and not (self.fp16_enabled() or self.bfloat16_enabled()))
 
     # --- checkpoints (lazyzero/runtime/checkpointing.py) ------------------------------------------
 
@@ -93,6 +128,8 @@ class LazyZeroEngine(DeepSpeedEngine):
     def _take_model_step(self, lr_kwargs):
         if self.lazy_checkpoints:
             self.checkpoint_engine.before_optimizer_step()
+        if self._stage_0_fused_clipping():
+            optimizer_setup.stage_0_norm_and_clip(self)
         return super()._take_model_step(lr_kwargs)
 
     def wait_for_checkpoints(self) -> None:

@@ -1,0 +1,231 @@
+"""Step throughput and state size of lazyzero's fused 8-bit AdamW against other optimizers.
+
+100M fp32 parameters in 4 tensors of 25M (the 8-bit step's cost is per element, so a few large
+tensors, like a transformer's weight matrices, stand for a model partition). Every optimizer gets
+its own copy of the parameters and the same hyperparameters; all share one set of random
+gradients, which none of them modifies (400 MB saved per optimizer, and the same input for all).
+Cases, timed interleaved in one run (`common.median_seconds`):
+
+- `lazyzero_adamw8bit`: AdamW8bit.step() with `grad_scale` 1.
+- `lazyzero_adamw8bit_clipped`: what the engine does on a clipped step: the fused global norm
+  (`clipping.global_grad_norm`, no cross-rank reduction), the clip factor as `grad_scale`, the step.
+- `lazyzero_grad_norm`: the norm alone, to explain the clipping overhead.
+- `deepspeed_cpu_adam`: DeepSpeedCPUAdam (AdamW mode, fp32 states), ZeRO-Offload's optimizer.
+- `torch_adamw_foreach`, `torch_adamw_fused`: torch.optim.AdamW; the faster of the two is the
+  baseline of `speed_ratio_vs_torch_adamw` (fused is skipped, with the reason, where unsupported).
+- `bitsandbytes_adamw8bit`: only where bitsandbytes imports and its 8-bit AdamW runs on CPU tensors;
+  otherwise the reason is recorded under `skipped`.
+
+All CPU cases run on the same thread count (`--threads`, default: every core). With CUDA, our
+AdamW8bit is also timed against torch's fused AdamW on the GPU (keys prefixed `gpu_`).
+Targets (issue 5): speed_ratio_vs_ds_cpu_adam >= 1, speed_ratio_vs_torch_adamw >= 3,
+state_bytes_per_param <= 2.1, clip_overhead <= 1.05.
+
+    python benchmarks/bench_optim.py --quick --out benchmarks/results/bench_optim.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # `common` sits beside this script
+from common import median_seconds, pin_threads, write_results  # noqa: E402
+
+from lazyzero.ops import build  # noqa: E402
+from lazyzero.optim import AdamW8bit, clipping  # noqa: E402
+
+PARAMETERS = 100_000_000
+TENSORS = 4
+HYPERPARAMETERS = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2)
+# Gradients of a trained model's magnitude: with max norm 1 the clip factor is about 1e-2, so the
+# scaled gradients and their squares stay far from fp32 subnormals (which would slow every case).
+GRADIENT_STD = 1e-2
+PARAMETER_STD = 2e-2
+MAX_GRAD_NORM = 1.0
+LOSS_SCALE = 1.0
+TORCH_ADAMW_VARIANTS = ("torch_adamw_foreach", "torch_adamw_fused")
+
+Factory = Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer repeats; same sizes")
+    parser.add_argument("--out", type=Path, help="write the results as JSON to this file")
+    parser.add_argument("--threads", type=int, default=os.cpu_count(), help="threads of every CPU optimizer")
+    return parser.parse_args()
+
+
+def random_tensors(device: str, std: float, seed: int) -> list[torch.Tensor]:
+    generator = torch.Generator(device=device).manual_seed(seed)
+    size = PARAMETERS // TENSORS
+    return [torch.randn(size, generator=generator, device=device).mul_(std) for _ in range(TENSORS)]
+
+
+def parameter_copies(initial: list[torch.Tensor], gradients: list[torch.Tensor]) -> list[torch.nn.Parameter]:
+    """A fresh copy of the parameters whose .grad are the shared `gradients`."""
+    params = [torch.nn.Parameter(tensor.clone()) for tensor in initial]
+    for param, grad in zip(params, gradients):
+        param.grad = grad
+    return params
+
+
+def lazyzero_cases(optimizer: AdamW8bit) -> dict[str, Callable[[], object]]:
+    """Our step without and with the engine's fused clipping, and the norm alone."""
+    gradients = [param.grad for group in optimizer.param_groups for param in group["params"]]
+
+    def step() -> None:
+        optimizer.grad_scale = 1.0 / LOSS_SCALE
+        optimizer.step()
+
+    def clipped_step() -> None:
+        norm = clipping.global_grad_norm(gradients, reduce=False)
+        optimizer.grad_scale = clipping.grad_scale_for(norm, LOSS_SCALE, MAX_GRAD_NORM)
+        optimizer.step()
+
+    return {
+        "lazyzero_adamw8bit": step,
+        "lazyzero_adamw8bit_clipped": clipped_step,
+        "lazyzero_grad_norm": lambda: clipping.global_grad_norm(gradients, reduce=False),
+    }
+
+
+def deepspeed_cpu_adam(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    from deepspeed.ops.adam import DeepSpeedCPUAdam  # JIT-builds its C++ op on first use
+
+    return DeepSpeedCPUAdam(params, adamw_mode=True, fp32_optimizer_states=True, **HYPERPARAMETERS)
+
+
+def bitsandbytes_adamw8bit(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    import bitsandbytes
+
+    return bitsandbytes.optim.AdamW8bit(params, **HYPERPARAMETERS)
+
+
+REQUIRED_CPU_BASELINES: dict[str, Factory] = {
+    "deepspeed_cpu_adam": deepspeed_cpu_adam,
+    "torch_adamw_foreach": lambda params: torch.optim.AdamW(params, foreach=True, **HYPERPARAMETERS),
+}
+OPTIONAL_CPU_BASELINES: dict[str, Factory] = {
+    "torch_adamw_fused": lambda params: torch.optim.AdamW(params, fused=True, **HYPERPARAMETERS),
+    "bitsandbytes_adamw8bit": bitsandbytes_adamw8bit,
+}
+
+
+def optional_baseline(factory: Factory, params: list[torch.nn.Parameter]) -> tuple[torch.optim.Optimizer | None, str]:
+    """The optimizer after one step (which also builds any JIT op), or None and why it cannot run.
+
+    Any exception means "not available here" (missing package, no CPU kernel, unsupported flag);
+    the benchmark still measures everything else and records the reason.
+    """
+    try:
+        optimizer = factory(params)
+        optimizer.step()
+    except Exception as error:
+        return None, f"{type(error).__name__}: {error}".splitlines()[0]
+    return optimizer, ""
+
+
+def moment_state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of state tensors other than 0-dim step counters (codes, scales, fp32 moments)."""
+    if isinstance(optimizer, AdamW8bit):
+        return optimizer.state_bytes()
+    return sum(value.numel() * value.element_size() for state in optimizer.state.values()
+               for value in state.values() if isinstance(value, torch.Tensor) and value.dim() > 0)
+
+
+def measure_cpu(repeats: int) -> tuple[dict[str, float], dict]:
+    """(headline results, details) of every CPU case; each optimizer has stepped before timing."""
+    initial = random_tensors("cpu", PARAMETER_STD, seed=0)
+    gradients = random_tensors("cpu", GRADIENT_STD, seed=1)
+    ours = AdamW8bit(parameter_copies(initial, gradients), **HYPERPARAMETERS)
+    optimizers: dict[str, torch.optim.Optimizer] = {}
+    for name, factory in REQUIRED_CPU_BASELINES.items():
+        optimizers[name] = factory(parameter_copies(initial, gradients))
+        optimizers[name].step()  # builds DeepSpeed's op before any timing
+    skipped = {}
+    for name, factory in OPTIONAL_CPU_BASELINES.items():
+        optimizer, reason = optional_baseline(factory, parameter_copies(initial, gradients))
+        if optimizer is None:
+            skipped[name] = reason
+        else:
+            optimizers[name] = optimizer
+    del initial
+    cases = {**lazyzero_cases(ours), **{name: optimizer.step for name, optimizer in optimizers.items()}}
+    seconds = median_seconds(cases, repeats)
+    optimizers["lazyzero_adamw8bit"] = ours
+    return cpu_results(seconds, ours), cpu_details(seconds, optimizers, skipped)
+
+
+def cpu_results(seconds: dict[str, float], ours: AdamW8bit) -> dict[str, float]:
+    step = seconds["lazyzero_adamw8bit"]
+    torch_baseline = min(seconds[name] for name in TORCH_ADAMW_VARIANTS if name in seconds)
+    results = {
+        "speed_ratio_vs_ds_cpu_adam": seconds["deepspeed_cpu_adam"] / step,
+        "speed_ratio_vs_torch_adamw": torch_baseline / step,
+        "state_bytes_per_param": ours.state_bytes() / PARAMETERS,
+        "clip_overhead": seconds["lazyzero_adamw8bit_clipped"] / step,
+        # Context, no target: against the foreach variant alone (torch's multi-tensor AdamW).
+        "speed_ratio_vs_torch_adamw_foreach": seconds["torch_adamw_foreach"] / step,
+    }
+    if "bitsandbytes_adamw8bit" in seconds:
+        results["speed_ratio_vs_bitsandbytes_adamw8bit"] = seconds["bitsandbytes_adamw8bit"] / step
+    return results
+
+
+def cpu_details(seconds: dict[str, float], optimizers: dict[str, torch.optim.Optimizer], skipped: dict) -> dict:
+    torch_variants = [name for name in TORCH_ADAMW_VARIANTS if name in seconds]
+    return {
+        "seconds": seconds,
+        "params_per_second": {name: PARAMETERS / value for name, value in seconds.items()},
+        "state_bytes_per_param_by_optimizer": {name: moment_state_bytes(optimizer) / PARAMETERS
+                                               for name, optimizer in optimizers.items()},
+        "torch_adamw_baseline": min(torch_variants, key=seconds.get),
+        "skipped": skipped,
+        "setup": {"parameters": PARAMETERS, "tensors": TENSORS, **HYPERPARAMETERS,
+                  "block_size": optimizers["lazyzero_adamw8bit"].param_groups[0]["block_size"],
+                  "gradient_std": GRADIENT_STD, "max_grad_norm": MAX_GRAD_NORM},
+    }
+
+
+def measure_gpu(repeats: int) -> tuple[dict[str, float], dict]:
+    """Our AdamW8bit on CUDA tensors against torch's fused AdamW there, and the clip overhead."""
+    initial = random_tensors("cuda", PARAMETER_STD, seed=0)
+    gradients = random_tensors("cuda", GRADIENT_STD, seed=1)
+    ours = AdamW8bit(parameter_copies(initial, gradients), **HYPERPARAMETERS)
+    fused = torch.optim.AdamW(parameter_copies(initial, gradients), fused=True, **HYPERPARAMETERS)
+    del initial
+    cases = {**lazyzero_cases(ours), "torch_adamw_fused": fused.step}
+    seconds = median_seconds(cases, repeats)
+    step = seconds["lazyzero_adamw8bit"]
+    results = {
+        "gpu_speed_ratio_vs_torch_adamw_fused": seconds["torch_adamw_fused"] / step,
+        "gpu_state_bytes_per_param": ours.state_bytes() / PARAMETERS,
+        "gpu_clip_overhead": seconds["lazyzero_adamw8bit_clipped"] / step,
+    }
+    details = {"seconds": seconds, "params_per_second": {name: PARAMETERS / value for name, value in seconds.items()},
+               "device": torch.cuda.get_device_name()}
+    return results, details
+
+
+def main() -> None:
+    args = parse_args()
+    pin_threads(args.threads)
+    if not build.ensure_native("cpu"):
+        raise SystemExit("the C++ kernels are unavailable:\n" + build.format_status(build.status()))
+    results, details = measure_cpu(repeats=5 if args.quick else 21)
+    if torch.cuda.is_available():
+        build.ensure_native("cuda")  # raises, naming the reason, when the CUDA kernels cannot load
+        gpu_results, details["gpu"] = measure_gpu(repeats=20 if args.quick else 100)
+        results.update(gpu_results)
+    write_results(args.out, "bench_optim", args.quick, results, details)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,220 @@
+"""The 8-bit optimizer inside real DeepSpeed runs, 2 ranks (tests/optim/test_engine_8bit.py).
+
+A small MLP (fixed seed; data drawn from the step number and the rank) with
+`"lazyzero": {"optimizer": {"type": "adamw8bit"}}`, on the layouts given as STAGE[+cpu].
+
+Usage (under the deepspeed launcher); each mode writes OUT/<mode>_rank<r>.json:
+  norm OUT LAYOUT ...
+      one backward per layout; the engine's reported global norm of the averaged gradients, and an
+      fp64 reference: the same model in float64 on each rank's batch, gradients averaged over the
+      ranks with an fp64 all-reduce. Then the errors of two misuses (`setup_errors`).
+  clip OUT LAYOUT ...
+      3 steps with clipping at 0.05 (the norms are about 1): parameters with fused clipping, with
+      DeepSpeed's separate clip pass (fused_clipping false), and with no clipping at all. fp32
+      states (both kernels apply the factor the same way), so that last-bit differences between the
+      two factors cannot flip an 8-bit code.
+  nonfinite OUT LAYOUT ...
+      step 2 gets a NaN in rank 1's gradient: parameters before and after it, and the losses of
+      the next 10 steps.
+  resume OUT LAYOUT:ENGINE ...
+      ENGINE deepspeed|lazy: 6 steps, save, 6 more (losses A); a fresh engine loads the save and
+      runs the same 6 steps (losses B), then compares its optimizer codes with the first run's.
+"""
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+import lazyzero
+from lazyzero.testing import destroy_engine, worker_args
+
+INPUTS, HIDDEN, OUTPUTS, BATCH = 16, 96, 4, 8
+
+
+def build_model(dtype=torch.float32) -> torch.nn.Module:
+    torch.manual_seed(0)
+    # 96 x 96 = 9216 elements: above min_8bit_size, so the hidden layer gets 8-bit states.
+    return torch.nn.Sequential(torch.nn.Linear(INPUTS, HIDDEN), torch.nn.Tanh(), torch.nn.Linear(HIDDEN, HIDDEN),
+                               torch.nn.Tanh(), torch.nn.Linear(HIDDEN, OUTPUTS)).to(dtype)
+
+
+def ds_config(layout: str, clipping: float = 1.0, fused_clipping: bool = True, lazy: bool = False,
+              min_8bit_size: int = 4096) -> dict:
+    stage, _, offload = layout.partition("+")
+    zero = {"stage": int(stage), "stage3_param_persistence_threshold": 0} if int(stage) == 3 else {"stage": int(stage)}
+    if offload:
+        zero["offload_optimizer"] = {"device": offload}
+    lazyzero_section = {"optimizer": {"type": "adamw8bit", "min_8bit_size": min_8bit_size,
+                                      "fused_clipping": fused_clipping}}
+    if lazy:
+        lazyzero_section["checkpoint"] = {"mode": "lazy"}
+    return {
+        "train_micro_batch_size_per_gpu": BATCH,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": clipping,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "betas": [0.9, 0.95], "weight_decay": 0.01}},
+        "zero_optimization": zero,
+        "steps_per_print": 10**9,
+        "lazyzero": lazyzero_section,
+    }
+
+
+def new_engine(layout: str, **options):
+    model = build_model()
+    engine, _, _, _ = lazyzero.initialize(model=model, model_parameters=model.parameters(),
+                                          config=ds_config(layout, **options))
+    return engine
+
+
+def batch(step: int, rank: int, dtype=torch.float32):
+    generator = torch.Generator().manual_seed(1000 * step + rank)
+    inputs = torch.randn(BATCH, INPUTS, generator=generator)
+    targets = torch.randn(BATCH, OUTPUTS, generator=generator)
+    return inputs.to(dtype), targets.to(dtype)
+
+
+def loss_of(model, step: int, rank: int, dtype=torch.float32):
+    inputs, targets = batch(step, rank, dtype)
+    return torch.nn.functional.mse_loss(model(inputs), targets)
+
+
+def train_step(engine, step: int) -> float:
+    loss = loss_of(engine, step, engine.global_rank)
+    engine.backward(loss)
+    engine.step()
+    return float(loss)
+
+
+def full_parameters(engine) -> list[list[float]]:
+    """Every parameter in full, gathered under ZeRO-3."""
+    import deepspeed
+
+    parameters = list(engine.module.parameters())
+    with deepspeed.zero.GatheredParameters(parameters, enabled=engine.zero_optimization_stage() == 3):
+        return [p.detach().double().clone().view(-1).tolist() for p in parameters]
+
+
+def reference_norm(step: int) -> float:
+    model = build_model(torch.float64)
+    loss_of(model, step, dist.get_rank(), torch.float64).backward()
+    flat = torch.cat([p.grad.view(-1) for p in model.parameters()])
+    dist.all_reduce(flat)
+    return float((flat / dist.get_world_size()).norm())
+
+
+def norm(layouts: list[str]) -> dict:
+    results = {}
+    for layout in layouts:
+        engine = new_engine(layout, clipping=1.0)
+        train_step(engine, 0)
+        reported = engine.get_global_grad_norm()
+        results[layout] = {"reported": float(reported), "reference": reference_norm(0)}
+        destroy_engine(engine)
+    results["setup_errors"] = setup_errors()
+    return results
+
+
+def setup_errors() -> dict:
+    """The messages of two misuses: an optimizer passed in code, and no "optimizer" section."""
+    messages = {}
+    model = build_model()
+    for case, arguments in (
+            ("client_optimizer", dict(optimizer=torch.optim.SGD(model.parameters(), lr=0.1), config=ds_config("2"))),
+            ("no_optimizer_section", dict(config={key: value for key, value in ds_config("2").items()
+                                                  if key != "optimizer"}))):
+        try:
+            lazyzero.initialize(model=build_model(), model_parameters=None, **arguments)
+            messages[case] = None
+        except ValueError as error:
+            messages[case] = str(error)
+    return messages
+
+
+def clip(layouts: list[str]) -> dict:
+    results = {}
+    for layout in layouts:
+        runs = {}
+        for name, options in (("fused", {"clipping": 0.05}), ("separate", {"clipping": 0.05, "fused_clipping": False}),
+                              ("unclipped", {"clipping": 0.0})):
+            engine = new_engine(layout, min_8bit_size=10**9, **options)
+            for step in range(3):
+                train_step(engine, step)
+            runs[name] = full_parameters(engine)
+            destroy_engine(engine)
+        results[layout] = runs
+    return results
+
+
+def nonfinite(layouts: list[str]) -> dict:
+    results = {}
+    for layout in layouts:
+        engine = new_engine(layout)
+        losses = [train_step(engine, step) for step in range(2)]
+        before = full_parameters(engine)
+        poisoned = loss_of(engine, 2, engine.global_rank)
+        # A NaN in rank 1's loss makes its gradients NaN: the norm after the reduction is NaN on both ranks.
+        engine.backward(poisoned * (float("nan") if engine.global_rank == 1 else 1.0))
+        engine.step()
+        after = full_parameters(engine)
+        losses += [train_step(engine, step) for step in range(3, 13)]
+        results[layout] = {"unchanged": before == after, "losses": losses,
+                           "skipped_steps": engine.skipped_steps}
+        destroy_engine(engine)
+    return results
+
+
+def optimizer_tensors(engine) -> dict:
+    inner = engine.optimizer.optimizer if hasattr(engine.optimizer, "optimizer") else engine.optimizer
+    tensors = {}
+    for index, (param, state) in enumerate(inner.state.items()):
+        for key, value in state.items():
+            if torch.is_tensor(value):
+                tensors[f"{index}/{key}"] = value.detach().clone()
+    return tensors
+
+
+def resume(out: Path, cases: list[str]) -> dict:
+    results = {}
+    for case in cases:
+        layout, engine_kind = case.split(":")
+        save_dir = out / f"ckpt_{layout}_{engine_kind}".replace("+", "_")
+        lazy = engine_kind == "lazy"
+        engine = new_engine(layout, lazy=lazy)
+        first = [train_step(engine, step) for step in range(6)]
+        engine.save_checkpoint(str(save_dir), tag="step6")
+        continued = [train_step(engine, step) for step in range(6, 12)]
+        expected_states = optimizer_tensors(engine)
+        engine.wait_for_checkpoints()
+        destroy_engine(engine)
+
+        engine = new_engine(layout, lazy=lazy)
+        engine.load_checkpoint(str(save_dir), tag="step6")
+        resumed = [train_step(engine, step) for step in range(6, 12)]
+        states = optimizer_tensors(engine)
+        same_states = states.keys() == expected_states.keys() and all(
+            torch.equal(states[key], expected_states[key]) for key in states)
+        has_codes = any(key.endswith("m_codes") for key in states)
+        results[case] = {"first": first, "continued": continued, "resumed": resumed,
+                         "same_states": same_states, "has_codes": has_codes,
+                         "finite": all(math.isfinite(loss) for loss in resumed)}
+        destroy_engine(engine)
+    return results
+
+
+def main() -> None:
+    args = worker_args()
+    mode, out, rest = args[0], Path(args[1]), args[2:]
+    out.mkdir(parents=True, exist_ok=True)
+    modes = {"norm": lambda: norm(rest), "clip": lambda: clip(rest), "nonfinite": lambda: nonfinite(rest),
+             "resume": lambda: resume(out, rest)}
+    result = modes[mode]()
+    (out / f"{mode}_rank{dist.get_rank()}.json").write_text(json.dumps(result))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -14,7 +14,7 @@ from deepspeed.runtime.engine import DeepSpeedEngine
 from deepspeed.utils.logging import print_dist
 
 from lazyzero.config import LazyZeroConfig
-from lazyzero.runtime import checkpointing, optimizer_setup
+from lazyzero.runtime import checkpointing, optimizer_reshard, optimizer_setup
 from lazyzero.runtime.grad_exchange_hooks import install_int8_gradients
 from lazyzero.runtime.nvme_restore import replay_cpu_adam_after_load, restore_nvme_offloaded_state
 
@@ -145,10 +145,17 @@ class LazyZeroEngine(DeepSpeedEngine):
         tag = checkpointing.prepare_load(self, load_dir, tag)
         if tag is None:
             return None, None
+        reshard = (self.uses_8bit_optimizer and load_optimizer_states and not load_module_only
+                   and optimizer_reshard.needs_resharding(self, load_dir, tag))
+        if reshard:
+            optimizer_reshard.check_reshardable(self, load_dir, tag)
         load_path, client_state = super().load_checkpoint(
-            load_dir, tag=tag, load_module_strict=load_module_strict, load_optimizer_states=load_optimizer_states,
+            load_dir, tag=tag, load_module_strict=load_module_strict,
+            load_optimizer_states=load_optimizer_states and not reshard,
             load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only,
             custom_load_fn=custom_load_fn)
+        if reshard and load_path is not None:
+            optimizer_reshard.restore_resharded_states(self, load_dir, tag)
         if load_path is not None and load_optimizer_states and not load_module_only:
             if self.zero_nvme_offload_optimizer():
                 restore_nvme_offloaded_state(self, load_dir, tag)

@@ -14,67 +14,106 @@ from lazyzero.testing import TOLERANCES, run_distributed
 
 WORKER = Path(__file__).parents[1] / "workers" / "optim8bit_worker.py"
 NORM_LAYOUTS = ["0", "1", "2", "3", "1+cpu", "2+cpu", "3+cpu"]
+# The default suite runs these in one launch of 2 ranks; `-m slow` adds the rest of the matrix.
+DEFAULT_CASES = {"norm": NORM_LAYOUTS, "clip": ["3+cpu"], "nonfinite": ["0", "3+cpu"],
+                 "resume": ["2:deepspeed", "3+cpu:lazy"], "reshard_save": ["2"]}
+SLOW_CASES = {"clip": ["1", "2"], "nonfinite": ["1", "2", "3"],
+              "resume": ["1:deepspeed", "3:deepspeed", "3+cpu:deepspeed", "2:lazy"]}
 
 pytestmark = pytest.mark.multiproc
 
 
-def run_worker(tmp_path: Path, mode: str, cases: list[str]) -> list[dict]:
-    out = tmp_path / mode
-    proc = run_distributed("deepspeed", 2, [str(WORKER), mode, str(out), *cases], timeout=900)
+def run_modes(out: Path, cases: dict[str, list[str]], ranks: int = 2) -> list[dict]:
+    arguments = [f"{mode}={','.join(items)}" for mode, items in cases.items()]
+    proc = run_distributed("deepspeed", ranks, [str(WORKER), "runs", str(out), *arguments], timeout=1800)
     assert proc.returncode == 0, proc.stdout[-6000:]
-    return [json.loads((out / f"{mode}_rank{rank}.json").read_text()) for rank in range(2)]
+    return [json.loads((out / f"runs_rank{rank}.json").read_text()) for rank in range(ranks)]
 
 
 @pytest.fixture(scope="module")
-def norm_run(tmp_path_factory) -> list[dict]:
-    return run_worker(tmp_path_factory.mktemp("norm"), "norm", NORM_LAYOUTS)
+def default_run(tmp_path_factory) -> tuple[Path, list[dict]]:
+    out = tmp_path_factory.mktemp("optim8bit")
+    return out, run_modes(out, DEFAULT_CASES)
 
 
-def test_reported_norm_matches_fp64_reference_on_every_stage(norm_run):
-    ranks = norm_run
+@pytest.fixture(scope="module")
+def slow_run(tmp_path_factory) -> list[dict]:
+    return run_modes(tmp_path_factory.mktemp("optim8bit_slow"), SLOW_CASES)
+
+
+def test_reported_norm_matches_fp64_reference_on_every_stage(default_run):
+    ranks = [rank["norm"] for rank in default_run[1]]
     for layout in NORM_LAYOUTS:
         for rank in ranks:
             found, expected = rank[layout]["reported"], rank[layout]["reference"]
             assert abs(found - expected) <= TOLERANCES["global_norm_vs_fp64"] * expected, (layout, found, expected)
 
 
-def test_misuse_is_refused_with_a_message_naming_the_setting(norm_run):
-    errors = norm_run[0]["setup_errors"]
+def test_misuse_is_refused_with_a_message_naming_the_setting(default_run):
+    errors = default_run[1][0]["norm"]["setup_errors"]
     assert "an optimizer was passed to lazyzero.initialize" in errors["client_optimizer"]
     assert "needs an \"optimizer\" section of type Adam or AdamW" in errors["no_optimizer_section"]
 
 
-def test_fused_clipping_equals_the_separate_clip_pass(tmp_path):
-    layouts = ["2", "3+cpu"]
-    ranks = run_worker(tmp_path, "clip", layouts)
+def check_clipping(ranks: list[dict], layouts: list[str]) -> None:
     for layout in layouts:
-        runs = ranks[0][layout]
+        runs = ranks[0]["clip"][layout]
         for fused, separate, unclipped in zip(runs["fused"], runs["separate"], runs["unclipped"]):
             difference = max(abs(a - b) for a, b in zip(fused, separate))
             assert difference <= TOLERANCES["fused_vs_separate_clip"], (layout, difference)
         # Clipping at 0.05 changes the run: the comparison above is not between two unclipped runs.
         assert any(max(abs(a - b) for a, b in zip(f, u)) > 1e-3 for f, u in zip(runs["fused"], runs["unclipped"]))
-        assert runs == ranks[1][layout]
+        assert runs == ranks[1]["clip"][layout]
 
 
-def test_nonfinite_norm_skips_the_step_on_every_rank(tmp_path):
-    layouts = ["0", "2", "3+cpu"]
-    ranks = run_worker(tmp_path, "nonfinite", layouts)
+def check_nonfinite(ranks: list[dict], layouts: list[str]) -> None:
     for layout in layouts:
         for rank in ranks:
-            result = rank[layout]
+            result = rank["nonfinite"][layout]
             assert result["unchanged"], layout
             assert result["skipped_steps"] == 1, layout
             assert all(loss == loss and abs(loss) < 1e3 for loss in result["losses"]), (layout, result["losses"])
 
 
-@pytest.mark.parametrize("cases", [["2:deepspeed", "3+cpu:deepspeed", "3+cpu:lazy"]])
-def test_resume_from_a_checkpoint_is_exact(tmp_path, cases):
-    ranks = run_worker(tmp_path, "resume", cases)
+def check_resume(ranks: list[dict], cases: list[str]) -> None:
     for case in cases:
         for rank in ranks:
-            result = rank[case]
+            result = rank["resume"][case]
             assert result["has_codes"], case
             assert result["resumed"] == result["continued"], case
             assert result["same_states"], case
             assert result["finite"], case
+
+
+def test_fused_clipping_equals_the_separate_clip_pass(default_run):
+    check_clipping(default_run[1], DEFAULT_CASES["clip"])
+
+
+def test_nonfinite_norm_skips_the_step_on_every_rank(default_run):
+    check_nonfinite(default_run[1], DEFAULT_CASES["nonfinite"])
+
+
+def test_resume_from_a_checkpoint_is_exact(default_run):
+    check_resume(default_run[1], DEFAULT_CASES["resume"])
+
+
+@pytest.mark.slow
+def test_the_rest_of_the_matrix(slow_run):
+    check_clipping(slow_run, SLOW_CASES["clip"])
+    check_nonfinite(slow_run, SLOW_CASES["nonfinite"])
+    check_resume(slow_run, SLOW_CASES["resume"])
+
+
+def test_reload_on_a_different_number_of_ranks_resplits_the_states(default_run):
+    out = default_run[0]
+    loaded = run_distributed("deepspeed", 1, [str(WORKER), "reshard_load", str(out), "2", "2"], timeout=900)
+    assert loaded.returncode == 0, loaded.stdout[-6000:]
+    result = json.loads((out / "reshard_load_rank0.json").read_text())
+    assert any(group["eight_bit"] for group in result["groups"])
+    for group in result["groups"]:
+        assert group["step"] == group["saved_step"] == 6
+        bound = TOLERANCES["reshard_requantization"] if group["eight_bit"] else 0.0
+        assert group["exp_avg"] <= bound and group["exp_avg_sq"] <= bound, group
+        # Block edges moved (5000 elements per saved rank), so the moments were really re-encoded.
+        assert not group["eight_bit"] or group["exp_avg"] > 0.0
+    assert all(loss == loss and abs(loss) < 1e3 for loss in result["losses"])

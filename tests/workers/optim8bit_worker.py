@@ -3,7 +3,8 @@
 A small MLP (fixed seed; data drawn from the step number and the rank) with
 `"lazyzero": {"optimizer": {"type": "adamw8bit"}}`, on the layouts given as STAGE[+cpu].
 
-Usage (under the deepspeed launcher); each mode writes OUT/<mode>_rank<r>.json:
+Usage (under the deepspeed launcher); each mode writes OUT/<mode>_rank<r>.json, and
+`runs OUT MODE=CASE,CASE ...` runs several modes in one launch:
   norm OUT LAYOUT ...
       one backward per layout; the engine's reported global norm of the averaged gradients, and an
       fp64 reference: the same model in float64 on each rank's batch, gradients averaged over the
@@ -19,6 +20,10 @@ Usage (under the deepspeed launcher); each mode writes OUT/<mode>_rank<r>.json:
   resume OUT LAYOUT:ENGINE ...
       ENGINE deepspeed|lazy: 6 steps, save, 6 more (losses A); a fresh engine loads the save and
       runs the same 6 steps (losses B), then compares its optimizer codes with the first run's.
+  reshard_save OUT LAYOUT / reshard_load OUT LAYOUT SAVED_RANKS
+      6 steps and a save on one number of ranks (each rank's fp32-decoded moments beside it); then
+      a load on another number of ranks: its moments against the saved ones cut at the new
+      partition boundaries (relative L2 error per group), the step, and 10 more losses.
 """
 
 import json
@@ -32,12 +37,13 @@ import torch.distributed as dist
 import lazyzero
 from lazyzero.testing import destroy_engine, worker_args
 
-INPUTS, HIDDEN, OUTPUTS, BATCH = 16, 96, 4, 8
+INPUTS, HIDDEN, OUTPUTS, BATCH = 16, 100, 4, 8
 
 
 def build_model(dtype=torch.float32) -> torch.nn.Module:
     torch.manual_seed(0)
-    # 96 x 96 = 9216 elements: above min_8bit_size, so the hidden layer gets 8-bit states.
+    # 100 x 100 = 10000 elements: above min_8bit_size, so the hidden layer gets 8-bit states; each of
+    # 2 ranks holds 5000, not a multiple of the 256-element blocks (re-split tests move block edges).
     return torch.nn.Sequential(torch.nn.Linear(INPUTS, HIDDEN), torch.nn.Tanh(), torch.nn.Linear(HIDDEN, HIDDEN),
                                torch.nn.Tanh(), torch.nn.Linear(HIDDEN, OUTPUTS)).to(dtype)
 
@@ -205,13 +211,74 @@ def resume(out: Path, cases: list[str]) -> dict:
     return results
 
 
+def dequantized_moments(engine) -> list[dict]:
+    """Per optimizer group: this rank's partition of both moments in fp32, and the step."""
+    optimizer = engine.basic_optimizer
+    moments = []
+    for group in optimizer.param_groups:
+        (partition,) = group["params"]
+        state = optimizer.dequantized_state(partition)
+        moments.append({"exp_avg": state["exp_avg"].view(-1).clone(), "exp_avg_sq": state["exp_avg_sq"].view(-1).clone(),
+                        "step": optimizer.state[partition]["step"],
+                        "eight_bit": "m_codes" in optimizer.state[partition]})
+    return moments
+
+
+def reshard_save(out: Path, layout: str) -> dict:
+    engine = new_engine(layout)
+    losses = [train_step(engine, step) for step in range(6)]
+    engine.save_checkpoint(str(out / "ckpt"), tag="step6")
+    torch.save(dequantized_moments(engine), out / f"moments_rank{engine.global_rank}.pt")
+    destroy_engine(engine)
+    return {"losses": losses}
+
+
+def reshard_load(out: Path, layout: str, saved_ranks: int) -> dict:
+    """Load the checkpoint of `reshard_save` on this (different) number of ranks; compare moments."""
+    engine = new_engine(layout)
+    engine.load_checkpoint(str(out / "ckpt"), tag="step6")
+    loaded = dequantized_moments(engine)
+    saved = [torch.load(out / f"moments_rank{rank}.pt") for rank in range(saved_ranks)]
+    groups = []
+    for index, mine in enumerate(loaded):
+        size = mine["exp_avg"].numel()
+        start = dist.get_rank() * size
+        entry = {"eight_bit": mine["eight_bit"], "step": mine["step"], "saved_step": saved[0][index]["step"]}
+        for key in ("exp_avg", "exp_avg_sq"):
+            whole = torch.cat([part[index][key] for part in saved])
+            expected = torch.zeros(size)
+            available = max(0, min(size, whole.numel() - start))
+            expected[:available] = whole[start:start + available]
+            entry[key] = float((mine[key] - expected).norm() / expected.norm().clamp_min(1e-30))
+        groups.append(entry)
+    losses = [train_step(engine, step) for step in range(6, 16)]
+    destroy_engine(engine)
+    return {"groups": groups, "losses": losses}
+
+
+MODES = {
+    "norm": lambda out, cases: norm(cases),
+    "clip": lambda out, cases: clip(cases),
+    "nonfinite": lambda out, cases: nonfinite(cases),
+    "resume": resume,
+    "reshard_save": lambda out, cases: reshard_save(out, cases[0]),
+    "reshard_load": lambda out, cases: reshard_load(out, cases[0], int(cases[1])),
+}
+
+
 def main() -> None:
+    """`MODE OUT CASE ...`, or `runs OUT MODE=CASE,CASE ...` for several modes in one launch
+    (one start-up of the ranks instead of one per mode; results by mode in runs_rank<r>.json)."""
     args = worker_args()
     mode, out, rest = args[0], Path(args[1]), args[2:]
     out.mkdir(parents=True, exist_ok=True)
-    modes = {"norm": lambda: norm(rest), "clip": lambda: clip(rest), "nonfinite": lambda: nonfinite(rest),
-             "resume": lambda: resume(out, rest)}
-    result = modes[mode]()
+    if mode == "runs":
+        result = {}
+        for item in rest:
+            name, _, cases = item.partition("=")
+            result[name] = MODES[name](out, cases.split(","))
+    else:
+        result = MODES[mode](out, rest)
     (out / f"{mode}_rank{dist.get_rank()}.json").write_text(json.dumps(result))
     dist.destroy_process_group()
 

@@ -1,0 +1,188 @@
+"""Saved-tensor packing: the tensors autograd saves inside a module are stored at that module's width.
+
+`ActivationPacker` registers forward pre/post hooks on the modules the policy names, which keep a
+stack of the modules being run; inside `with packer:` a `saved_tensors_hooks` pair stores each saved
+tensor at the width of the innermost of them (block-wise int8 or packed int4 with fp32 scales, from
+`lazyzero.ops.quant`) and restores it in backward. Kept as they are, and why:
+- parameters and views of them (Linear saves its weight), and leaves that require grad: they live
+  anyway, so a packed copy would only add memory;
+- integer, bool and fp64 tensors (no quantizer for them; masks and indices are small);
+- tensors of fewer elements than one block (the scale would cost more than it saves);
+- a view whose dtype differs from its base's (quantizing the base would not restore it).
+
+Packing works on storages, not on tensor objects: the q, k and v projections each save their own
+view of one input, SDPA saves its output and o_proj a reshaped view of it. The first save of a
+storage quantizes the whole storage once; every later view of it (at the same width) refers to that
+packed form and is rebuilt with `as_strided` in backward. So no tensor is stored twice, packed or
+not, and once a storage is kept unpacked (a 16-bit module saved it) later saves keep it too: packing
+it as well would only add a copy. Nothing refers to the original tensor once it is packed, so its
+memory is freed as soon as the forward pass drops it.
+
+Composes with activation checkpointing: torch's checkpoint pushes its own saved-tensor hooks inside
+ours, so what it recomputes never reaches the packer, and the policy gives recomputed layers 16 bits.
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from lazyzero.activations.accounting import ActivationAccounting
+from lazyzero.activations.policy import KEEP_BITS, ActivationPolicy, ModuleBits
+from lazyzero.ops.quant import SUPPORTED_DTYPES, BlockQuantized, dequantize_blockwise, quantize_blockwise
+
+
+@dataclass(frozen=True)
+class PackedView:
+    """What autograd holds instead of a saved tensor: its storage, packed, and its geometry in it."""
+
+    storage: BlockQuantized
+    shape: torch.Size
+    stride: tuple[int, ...]
+    storage_offset: int
+
+    def unpack(self) -> torch.Tensor:
+        flat = dequantize_blockwise(self.storage)
+        return flat.as_strided(self.shape, self.stride, self.storage_offset)
+
+
+@dataclass
+class _StoredStorage:
+    """The forms (width -> packed storage, or None when kept) of one storage seen in this forward pass."""
+
+    root: weakref.ref
+    version: int
+    forms: dict[int, BlockQuantized | None] = field(default_factory=dict)
+
+
+class ActivationPacker:
+    """Stores saved activations at the width `policy` gives the innermost managed module around them.
+
+    Usage: `with packer: loss = model(batch)`, then `loss.backward()` (outside or inside). Module hooks
+    stay registered until `remove()`; packing happens only inside the `with` block. Byte counts go to
+    `packer.accounting` (see `ActivationAccounting`).
+    """
+
+    def __init__(self, model: nn.Module, policy: ActivationPolicy, accounting: ActivationAccounting | None = None):
+        self.policy = policy
+        self.accounting = accounting if accounting is not None else ActivationAccounting()
+        self.managed = policy.plan(model)
+        self._scopes: list[tuple[ModuleBits, nn.Module]] = []
+        self._stored: dict[int, _StoredStorage] = {}
+        self._seed = 0
+        self._active: list[torch.autograd.graph.saved_tensors_hooks] = []
+        modules = dict(model.named_modules())
+        self._handles = []
+        for entry in self.managed:
+            module = modules[entry.name]
+            self._handles.append(module.register_forward_pre_hook(functools.partial(self._enter_module, entry)))
+            # always_call: an exception inside forward must not leave the module on the stack.
+            self._handles.append(
+                module.register_forward_hook(functools.partial(self._exit_module, entry), always_call=True)
+            )
+
+    def __enter__(self) -> ActivationPacker:
+        hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        hooks.__enter__()
+        self._active.append(hooks)
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self._active.pop().__exit__(*exc_info)
+        if not self._active:
+            # Only this forward pass can save these tensors again; autograd holds the packed forms.
+            self._stored.clear()
+
+    def remove(self) -> None:
+        """Unregister the module hooks."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    def _enter_module(self, entry: ModuleBits, module: nn.Module, args) -> None:
+        self._scopes.append((entry, module))
+
+    def _exit_module(self, entry: ModuleBits, module: nn.Module, args, output) -> None:
+        top, _ = self._scopes.pop()
+        if top is not entry:
+            raise RuntimeError(f"activation packer: module {entry.name!r} ended while {top.name!r} was running")
+
+    def _pack(self, tensor: torch.Tensor):
+        entry, module = self._scopes[-1] if self._scopes else (None, None)
+        if _aliases_parameter(tensor, module):
+            return tensor
+        bits = entry.bits if entry else KEEP_BITS
+        if not self._packable(tensor):
+            bits = KEEP_BITS
+        root = tensor if tensor._base is None else tensor._base
+        stored = self._stored_for(root)
+        if KEEP_BITS in stored.forms:
+            return tensor
+        if bits not in stored.forms:
+            stored.forms[bits] = self._store(root, bits, entry)
+        packed = stored.forms[bits]
+        if packed is None:
+            return tensor
+        return PackedView(packed, tensor.shape, tensor.stride(), tensor.storage_offset())
+
+    @staticmethod
+    def _unpack(packed):
+        return packed.unpack() if isinstance(packed, PackedView) else packed
+
+    def _packable(self, tensor: torch.Tensor) -> bool:
+        root = tensor if tensor._base is None else tensor._base
+        return (
+            tensor.dtype in SUPPORTED_DTYPES
+            and tensor.dtype == root.dtype
+            and tensor.numel() >= self.policy.config.block_size
+        )
+
+    def _stored_for(self, root: torch.Tensor) -> _StoredStorage:
+        key = id(root)
+        stored = self._stored.get(key)
+        # A root changed in place since its first save holds other values: store it anew.
+        if stored is None or stored.root() is not root or stored.version != root._version:
+            stored = _StoredStorage(weakref.ref(root, functools.partial(self._forget, key)), root._version)
+            self._stored[key] = stored
+        return stored
+
+    def _forget(self, key: int, _dead_ref) -> None:
+        # The root's Python object died: its id may be reused by an unrelated tensor.
+        self._stored.pop(key, None)
+
+    def _store(self, root: torch.Tensor, bits: int, entry: ModuleBits | None) -> BlockQuantized | None:
+        """Pack `root`'s whole storage at `bits` (None: keep it) and record the bytes."""
+        before = root.untyped_storage().nbytes()
+        layer, kind = (entry.layer, entry.kind) if entry else (None, None)
+        if bits == KEEP_BITS:
+            self.accounting.record(layer, kind, before, before)
+            return None
+        numel = before // root.element_size()
+        flat = root.detach().as_strided((numel,), (1,), 0)
+        config = self.policy.config
+        self._seed += 1
+        packed = quantize_blockwise(
+            flat, bits=bits, block_size=config.block_size, stochastic=config.stochastic_rounding, seed=self._seed
+        )
+        after = packed.codes.untyped_storage().nbytes() + packed.scales.untyped_storage().nbytes()
+        self.accounting.record(layer, kind, before, after)
+        return packed
+
+
+def _aliases_parameter(tensor: torch.Tensor, module: nn.Module | None) -> bool:
+    """Whether `tensor` is a parameter, a view of one, or shares storage with one of `module`'s.
+
+    The storage test catches frozen parameters and ZeRO-3's gathered ones (swapped in as `.data`
+    just before the module runs, which is why it is done at save time and not ahead).
+    """
+    root = tensor if tensor._base is None else tensor._base
+    if isinstance(root, nn.Parameter) or (root.is_leaf and root.requires_grad):
+        return True
+    if module is None:
+        return False
+    pointer = tensor.untyped_storage().data_ptr()
+    return pointer != 0 and any(param.untyped_storage().data_ptr() == pointer for param in module.parameters())

@@ -1,0 +1,148 @@
+"""Which bit width each module's saved activations get: the policy of `"lazyzero": {"activations"}`.
+
+AGoQ (issue 6) stores saved activations per layer type: attention keeps 16 bits (its softmax is too
+sensitive for 4), MLP, activation-function and norm inputs go to about 4 bits. Modules are
+classified by class for the supported families (Llama, Qwen2, Mistral, GPT-2), by name otherwise.
+
+A module's width, first rule that applies wins:
+1. its layer is in `recompute_layers`: 16 (the layer's activations are recomputed, not saved, so
+   there is nothing to quantize; the recomputation must see exact inputs);
+2. the first `overrides` pattern (fnmatch on the module name) that matches it;
+3. `attention_bits` for attention modules (the planner does not lower attention either);
+4. the planner's width for its layer (`ActivationPolicy.with_layer_bits`);
+5. `default_bits`.
+16 means "keep as saved" (the model's own dtype, fp32 or bf16).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import re
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Literal, Mapping
+
+from torch import nn
+
+from lazyzero.config.models import ActivationsConfig
+
+ModuleKind = Literal["attention", "mlp", "norm", "other"]
+KEEP_BITS = 16
+ALLOWED_BITS = (4, 8, KEEP_BITS)
+
+# Class names over each module's MRO, so subclasses (e.g. a patched LlamaAttention) match too.
+_KINDS_BY_CLASS: dict[str, ModuleKind] = {
+    **{f"{family}Attention": "attention" for family in ("Llama", "Qwen2", "Mistral", "GPT2")},
+    **{f"{family}MLP": "mlp" for family in ("Llama", "Qwen2", "Mistral", "GPT2")},
+    **{f"{family}RMSNorm": "norm" for family in ("Llama", "Qwen2", "Mistral")},
+    "LayerNorm": "norm",
+    "RMSNorm": "norm",
+}
+DECODER_LAYER_CLASSES = frozenset({"LlamaDecoderLayer", "Qwen2DecoderLayer", "MistralDecoderLayer", "GPT2Block"})
+
+# Name fallback for unknown classes, on the last part of the module name.
+_KIND_NAME_PATTERNS: tuple[tuple[ModuleKind, tuple[str, ...]], ...] = (
+    ("attention", ("*attn*", "*attention*")),
+    ("mlp", ("*mlp*", "*ffn*", "*feed_forward*")),
+    ("norm", ("*norm*", "ln_*", "ln")),
+)
+# Building blocks inside attention / MLP (GPT-2's Conv1D is named c_attn): never classified by name,
+# so that they inherit the kind and width of the module around them.
+_PRIMITIVE_CLASSES = frozenset({"Linear", "Conv1D", "Embedding", "Dropout", "Identity"})
+
+# "model.layers.3.mlp" (Llama, Qwen2, Mistral) and "transformer.h.3.attn" (GPT-2) are in layer 3.
+_LAYER_INDEX = re.compile(r"(?:^|\.)(?:layers|h)\.(\d+)(?:\.|$)")
+_LAYER_NAME = re.compile(r"(?:^|\.)(?:layers|h)\.\d+$")
+
+
+def _class_names(module: nn.Module) -> list[str]:
+    return [cls.__name__ for cls in type(module).__mro__]
+
+
+def classify_module(name: str, module: nn.Module) -> ModuleKind:
+    """The kind of `module` (named `name` in its model): by class first, then by name."""
+    class_names = _class_names(module)
+    for class_name in class_names:
+        if class_name in _KINDS_BY_CLASS:
+            return _KINDS_BY_CLASS[class_name]
+    if _PRIMITIVE_CLASSES.intersection(class_names) or is_decoder_layer(name, module):
+        return "other"
+    last = name.rsplit(".", 1)[-1]
+    for kind, patterns in _KIND_NAME_PATTERNS:
+        if any(fnmatch.fnmatchcase(last, pattern) for pattern in patterns):
+            return kind
+    return "other"
+
+
+def is_decoder_layer(name: str, module: nn.Module) -> bool:
+    """Whether `module` is one whole transformer layer (by class, else named like "model.layers.3")."""
+    return bool(DECODER_LAYER_CLASSES.intersection(_class_names(module))) or bool(_LAYER_NAME.search(name))
+
+
+def layer_index(name: str) -> int | None:
+    """The decoder layer a module name belongs to, or None outside the layers (embeddings, final norm)."""
+    match = _LAYER_INDEX.search(name)
+    return int(match.group(1)) if match else None
+
+
+@dataclass(frozen=True)
+class ModuleBits:
+    """One module whose forward sets the width of the tensors saved inside it."""
+
+    name: str
+    kind: ModuleKind
+    layer: int | None
+    bits: int
+
+
+@dataclass(frozen=True)
+class ActivationPolicy:
+    """Bit widths per module from the config, plus the planner's widths per layer."""
+
+    config: ActivationsConfig
+    layer_bits: Mapping[int, int] = field(default_factory=lambda: MappingProxyType({}))
+    """Planner's width per layer index; replaces `default_bits` for that layer's non-attention modules."""
+
+    def with_layer_bits(self, layer_bits: Mapping[int, int]) -> ActivationPolicy:
+        """A copy of this policy with the planner's width per layer (unlisted layers keep the defaults)."""
+        for layer, bits in layer_bits.items():
+            if isinstance(layer, bool) or not isinstance(layer, int) or layer < 0:
+                raise ValueError(f"layer index must be an int >= 0, got {layer!r}")
+            if bits not in ALLOWED_BITS:
+                raise ValueError(f"layer {layer}: bits must be one of {ALLOWED_BITS}, got {bits!r}")
+        return ActivationPolicy(self.config, MappingProxyType(dict(layer_bits)))
+
+    def bits_for(self, name: str, kind: ModuleKind, layer: int | None) -> int:
+        """The width of the tensors saved inside module `name` (rules in the module docstring)."""
+        if layer is not None and layer in self.config.recompute_layers:
+            return KEEP_BITS
+        override = self.override_for(name)
+        if override is not None:
+            return override
+        if kind == "attention":
+            return self.config.attention_bits
+        if layer is not None and layer in self.layer_bits:
+            return self.layer_bits[layer]
+        return self.config.default_bits
+
+    def override_for(self, name: str) -> int | None:
+        for pattern, bits in self.config.overrides.items():
+            if fnmatch.fnmatchcase(name, pattern):
+                return bits
+        return None
+
+    def plan(self, model: nn.Module) -> list[ModuleBits]:
+        """The modules of `model` that set a width, in `named_modules` order (parents before children).
+
+        Those are attention, MLP and norm modules, whole decoder layers (whose width covers what
+        they save outside their children), and any module an override names. Other modules
+        (Linear, activations) inherit the width of the innermost of these around them.
+        """
+        chosen = []
+        for name, module in model.named_modules():
+            kind = classify_module(name, module)
+            if kind == "other" and not is_decoder_layer(name, module) and self.override_for(name) is None:
+                continue
+            layer = layer_index(name)
+            chosen.append(ModuleBits(name, kind, layer, self.bits_for(name, kind, layer)))
+        return chosen

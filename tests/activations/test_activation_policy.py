@@ -1,0 +1,149 @@
+"""Which width each module's saved activations get (lazyzero/activations/policy.py, stages.py)."""
+
+import pytest
+import torch
+
+from lazyzero.activations import (
+    ActivationPolicy,
+    classify_module,
+    layer_index,
+    one_f_one_b_in_flight,
+    pipeline_stage_bits,
+)
+from lazyzero.config.models import ActivationsConfig
+from lazyzero.models import build_model
+
+LLAMA_LIKE_NAMES = {
+    "model.layers.1.self_attn": "attention",
+    "model.layers.1.mlp": "mlp",
+    "model.layers.1.input_layernorm": "norm",
+    "model.layers.1.post_attention_layernorm": "norm",
+    "model.norm": "norm",
+    "model.layers.1": "other",
+    "model.layers.1.self_attn.q_proj": "other",
+    "model.layers.1.mlp.act_fn": "other",
+    "model.embed_tokens": "other",
+    "lm_head": "other",
+}
+GPT2_NAMES = {
+    "transformer.h.1.attn": "attention",
+    "transformer.h.1.attn.c_attn": "other",
+    "transformer.h.1.mlp": "mlp",
+    "transformer.h.1.ln_1": "norm",
+    "transformer.h.1.ln_2": "norm",
+    "transformer.ln_f": "norm",
+    "transformer.h.1": "other",
+    "transformer.wte": "other",
+}
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2", "mistral", "gpt2"])
+def tiny_model(request):
+    return request.param, build_model("tiny", request.param, meta=True)
+
+
+def test_modules_of_every_family_are_classified_by_class(tiny_model):
+    family, model = tiny_model
+    expected = GPT2_NAMES if family == "gpt2" else LLAMA_LIKE_NAMES
+    modules = dict(model.named_modules())
+    assert {name: classify_module(name, modules[name]) for name in expected} == expected
+
+
+class Mixer(torch.nn.Module):
+    """A module class no family uses: classified by its name only."""
+
+
+def test_unknown_classes_fall_back_to_name_patterns():
+    assert classify_module("blocks.0.attn", Mixer()) == "attention"
+    assert classify_module("blocks.0.self_attention", Mixer()) == "attention"
+    assert classify_module("blocks.0.ffn", Mixer()) == "mlp"
+    assert classify_module("blocks.0.final_norm", Mixer()) == "norm"
+    assert classify_module("blocks.0.mixer", Mixer()) == "other"
+    # A plain Linear named like attention stays a building block of whatever surrounds it.
+    assert classify_module("blocks.0.attn_out", torch.nn.Linear(2, 2)) == "other"
+
+
+def test_layer_index_from_module_names():
+    assert layer_index("model.layers.12.mlp.up_proj") == 12
+    assert layer_index("transformer.h.3") == 3
+    assert layer_index("layers.0") == 0
+    assert layer_index("model.norm") is None
+    assert layer_index("model.my_layers.2") is None
+
+
+def test_default_policy_keeps_attention_and_quantizes_the_rest_to_4_bits():
+    plan = ActivationPolicy(ActivationsConfig()).plan(build_model("tiny", "llama", meta=True))
+    bits = {entry.name: entry.bits for entry in plan}
+    assert bits["model.layers.0.self_attn"] == 16
+    assert bits["model.layers.0.mlp"] == bits["model.layers.0.input_layernorm"] == bits["model.norm"] == 4
+    assert bits["model.layers.1"] == 4
+    # Building blocks inherit from the module around them, so they are not in the plan.
+    assert "model.layers.0.mlp.up_proj" not in bits and "model.embed_tokens" not in bits
+    assert [entry.layer for entry in plan if entry.name.startswith("model.layers.1")] == [1] * 5
+
+
+def test_rules_apply_in_order_recompute_override_attention_planner_default():
+    config = ActivationsConfig(
+        default_bits=4, attention_bits=8, recompute_layers=[2],
+        overrides={"model.layers.1.*": 16, "model.layers.*.mlp": 8, "model.layers.2.*": 4},
+    )  # fmt: skip
+    policy = ActivationPolicy(config).with_layer_bits({0: 16, 3: 8})
+    assert policy.bits_for("model.layers.2.mlp", "mlp", 2) == 16  # recomputed beats every override
+    assert policy.bits_for("model.layers.1.mlp", "mlp", 1) == 16  # first matching pattern wins
+    assert policy.bits_for("model.layers.3.mlp", "mlp", 3) == 8  # override
+    assert policy.bits_for("model.layers.0.self_attn", "attention", 0) == 8  # planner leaves attention
+    assert policy.bits_for("model.layers.0.input_layernorm", "norm", 0) == 16  # planner
+    assert policy.bits_for("model.layers.3.input_layernorm", "norm", 3) == 8  # planner
+    assert policy.bits_for("model.layers.4.input_layernorm", "norm", 4) == 4  # default
+    assert policy.bits_for("model.norm", "norm", None) == 4
+
+
+def test_overrides_make_any_module_set_a_width():
+    config = ActivationsConfig(overrides={"model.layers.0.mlp.down_proj": 8})
+    plan = ActivationPolicy(config).plan(build_model("tiny", "llama", meta=True))
+    assert [(e.name, e.kind, e.bits) for e in plan if e.name.endswith("down_proj")] == [
+        ("model.layers.0.mlp.down_proj", "other", 8)
+    ]
+
+
+@pytest.mark.parametrize("layer_bits", [{0: 5}, {-1: 4}, {True: 4}, {"0": 8}])
+def test_planner_widths_are_checked(layer_bits):
+    with pytest.raises(ValueError):
+        ActivationPolicy(ActivationsConfig()).with_layer_bits(layer_bits)
+
+
+def test_with_layer_bits_returns_a_new_policy():
+    policy = ActivationPolicy(ActivationsConfig())
+    planned = policy.with_layer_bits({1: 8})
+    assert planned.layer_bits == {1: 8} and policy.layer_bits == {}
+
+
+def test_one_f_one_b_in_flight_counts():
+    assert one_f_one_b_in_flight(4) == [4, 3, 2, 1]
+    assert one_f_one_b_in_flight(4, micro_batches=2) == [2, 2, 2, 1]
+    assert one_f_one_b_in_flight(1) == [1]
+    with pytest.raises(ValueError):
+        one_f_one_b_in_flight(0)
+
+
+def test_stages_holding_more_micro_batches_get_fewer_bits():
+    assert pipeline_stage_bits([4, 3, 2, 1], base_bits=4) == [4, 4, 8, 16]
+    assert pipeline_stage_bits([4, 3, 2, 1], base_bits=8) == [8, 8, 16, 16]
+    assert pipeline_stage_bits([8, 7, 6, 5, 4, 3, 2, 1], base_bits=4) == [4, 4, 4, 4, 8, 8, 16, 16]
+    assert pipeline_stage_bits([2, 2, 2, 1], base_bits=4) == [4, 4, 4, 8]
+    assert pipeline_stage_bits([3], base_bits=8) == [8]
+
+
+@pytest.mark.parametrize("stages", [2, 3, 5, 8, 16])
+@pytest.mark.parametrize("base_bits", [4, 8])
+def test_no_stage_needs_more_memory_than_the_busiest_and_widths_never_decrease(stages, base_bits):
+    in_flight = one_f_one_b_in_flight(stages)
+    bits = pipeline_stage_bits(in_flight, base_bits)
+    assert bits[0] == base_bits and bits == sorted(bits)
+    assert max(count * width for count, width in zip(in_flight, bits)) == in_flight[0] * base_bits
+
+
+@pytest.mark.parametrize("in_flight, base_bits", [([], 4), ([2, 0], 4), ([2, 1], 6)])
+def test_stage_rule_rejects_bad_inputs(in_flight, base_bits):
+    with pytest.raises(ValueError):
+        pipeline_stage_bits(in_flight, base_bits)

@@ -109,9 +109,11 @@ def _eight_bit_state_blockers(ds_config: dict) -> list[tuple[str, str, str]]:
     offload = zero.get("offload_optimizer")
     blockers = []
     if isinstance(offload, dict) and offload.get("device") == "nvme":
-        blockers.append(("zero_optimization.offload_optimizer.device", "'nvme'",
-                         "DeepSpeed's optimizer swapper moves fp32 tensors of the parameter's size, and the 8-bit "
-                         "states are not swapped yet; use offload_optimizer.device 'cpu'"))
+        for key in ("pipeline_read", "pipeline_write"):
+            if offload.get(key) is True:
+                blockers.append((f"zero_optimization.offload_optimizer.{key}", "true",
+                                 "the pipelined optimizer swapper moves fp32 tensors of the parameter's size; 8-bit "
+                                 "states are swapped by lazyzero's non-pipelined swapper (set it false)"))
     if zero.get("elastic_checkpoint") is True:
         blockers.append(("zero_optimization.elastic_checkpoint", "true",
                          "elastic checkpoints re-split optimizer states as fp32 partition slices; 8-bit states are "

@@ -9,6 +9,7 @@ as their issues land.
 from __future__ import annotations
 
 import os
+from contextlib import nullcontext
 
 from deepspeed.runtime.engine import DeepSpeedEngine
 from deepspeed.utils.logging import print_dist
@@ -16,6 +17,7 @@ from deepspeed.utils.logging import print_dist
 from lazyzero.config import LazyZeroConfig
 from lazyzero.runtime import checkpointing, optimizer_reshard, optimizer_setup
 from lazyzero.runtime.grad_exchange_hooks import install_int8_gradients
+from lazyzero.runtime.nvme_8bit_swap import eight_bit_state_swapping
 from lazyzero.runtime.nvme_restore import replay_cpu_adam_after_load, restore_nvme_offloaded_state
 
 
@@ -44,8 +46,9 @@ class LazyZeroEngine(DeepSpeedEngine):
         With lazy checkpoints, this rank's figures of the newest committed checkpoint:
         `checkpoint_tag`, `checkpoint_bytes`, `checkpoint_copy_s`, `checkpoint_write_s` and
         `checkpoint_commit_s` (from `save_checkpoint` returning to the commit).
-        With the 8-bit optimizer, `optimizer_state_bytes`: this rank's moment state (codes, scales and
-        the fp32 moments of the groups that keep them).
+        With the 8-bit optimizer, `optimizer_state_bytes`: this rank's moment state held in memory
+        (codes, scales and the fp32 moments of the groups that keep them; sub-groups swapped out to
+        NVMe at that moment are not counted).
         """
         metrics = {}
         if self.uses_8bit_optimizer:
@@ -71,7 +74,9 @@ class LazyZeroEngine(DeepSpeedEngine):
         return optimizer_setup.build_8bit_optimizer(self, model_parameters)
 
     def _configure_zero_optimizer(self, optimizer):
-        zero_optimizer = super()._configure_zero_optimizer(optimizer)
+        # ZeRO-3 builds its NVMe optimizer swapper inside; 8-bit states need ours (nvme_8bit_swap.py).
+        with eight_bit_state_swapping() if self.uses_8bit_optimizer else nullcontext():
+            zero_optimizer = super()._configure_zero_optimizer(optimizer)
         if self._fused_clipping:
             optimizer_setup.install_fused_clipping(self, zero_optimizer)
         return zero_optimizer

@@ -45,7 +45,7 @@ def test_packed_8bit_swap_files_are_a_quarter_of_fp32_moments(tmp_path):
         assert abs(sum(packed.values()) / moments - expected) < 0.005, (packed, moments)
 
 
-@pytest.mark.parametrize("checkpoints", ["deepspeed", "lazy"])
+@pytest.mark.parametrize("checkpoints", ["deepspeed", pytest.param("lazy", marks=pytest.mark.slow)])
 def test_resume_from_a_checkpoint_is_exact(tmp_path, checkpoints):
     # Two launches: DeepSpeed names swap files by parameter ids, which count up within a process.
     saved = run_worker(tmp_path, "save", checkpoints)

@@ -18,21 +18,18 @@ OUT/MODE_rank<r>.json. With "lazy", the engines use lazyzero's lazy checkpoints.
 import hashlib
 import json
 import sys
-from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 import lazyzero
-from lazyzero.config import cross_checks
-from lazyzero.runtime.nvme_8bit_swap import PACKED_FILE_SUFFIX, eight_bit_state_swapping
+from lazyzero.runtime.nvme_8bit_swap import PACKED_FILE_SUFFIX
 from lazyzero.testing import destroy_engine, worker_args
 from optim8bit_worker import INPUTS, OUTPUTS, ds_config, full_parameters, train_step
 
 HIDDEN = 1024
 SUB_GROUP_SIZE = 300_000
-NVME_BLOCKER_SETTING = "zero_optimization.offload_optimizer.device"
 
 
 def build_model() -> torch.nn.Module:
@@ -53,27 +50,9 @@ def nvme_config(device: str, nvme_path: Path | None = None, min_8bit_size: int =
     return config
 
 
-@contextmanager
-def nvme_8bit_allowed():
-    """Until the lead wires EightBitStateSwapper into LazyZeroEngine and drops the config blocker:
-    the same two steps, done here for the length of one engine construction."""
-    original = cross_checks._eight_bit_state_blockers
-
-    def without_nvme(ds_config: dict):
-        return [blocker for blocker in original(ds_config) if blocker[0] != NVME_BLOCKER_SETTING]
-
-    cross_checks._eight_bit_state_blockers = without_nvme
-    try:
-        with eight_bit_state_swapping():
-            yield
-    finally:
-        cross_checks._eight_bit_state_blockers = original
-
-
 def new_engine(config: dict):
     model = build_model()
-    with nvme_8bit_allowed():
-        engine, _, _, _ = lazyzero.initialize(model=model, model_parameters=model.parameters(), config=config)
+    engine, _, _, _ = lazyzero.initialize(model=model, model_parameters=model.parameters(), config=config)
     return engine
 
 

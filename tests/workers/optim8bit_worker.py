@@ -23,7 +23,8 @@ Usage (under the deepspeed launcher); each mode writes OUT/<mode>_rank<r>.json, 
   reshard_save OUT LAYOUT / reshard_load OUT LAYOUT SAVED_RANKS
       6 steps and a save on one number of ranks (each rank's fp32-decoded moments beside it); then
       a load on another number of ranks: its moments against the saved ones cut at the new
-      partition boundaries (relative L2 error per group), the step, and 10 more losses.
+      partition boundaries (relative L2 error per group), the step, and 10 more losses; then the
+      error of loading resume's 2-rank ZeRO-3 checkpoint ("3+cpu:lazy", run before) here.
 """
 
 import json
@@ -253,7 +254,19 @@ def reshard_load(out: Path, layout: str, saved_ranks: int) -> dict:
         groups.append(entry)
     losses = [train_step(engine, step) for step in range(6, 16)]
     destroy_engine(engine)
-    return {"groups": groups, "losses": losses}
+    return {"groups": groups, "losses": losses, "stage3_error": stage3_reshard_error(out)}
+
+
+def stage3_reshard_error(out: Path) -> str | None:
+    """The message of loading the 2-rank ZeRO-3 checkpoint of `resume` ("3+cpu:lazy") on this rank count."""
+    engine = new_engine("3+cpu", lazy=True)
+    try:
+        engine.load_checkpoint(str(out / "ckpt_3_cpu_lazy"), tag="step6")
+        return None
+    except ValueError as error:
+        return str(error)
+    finally:
+        destroy_engine(engine)
 
 
 MODES = {

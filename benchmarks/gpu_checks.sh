@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# The one prepared script for a lent GPU machine (the `device` tool's H200): build the CUDA ops, run
+# every `gpu` test, then the GPU parts of the benchmarks. Logs and result files go to $OUT.
+#
+# That machine's image has torch, pytest, numpy, ninja, xxhash and matplotlib, but not deepspeed,
+# pydantic or mip. The kernel tests (tests/ops) need none of those. The tests and
+# benchmarks that build a DeepSpeed engine need them carried as wheels in .whl/ (built here with
+# `pip wheel --no-deps -w .whl deepspeed==0.19.8 pydantic pydantic-core annotated-types
+# typing-inspection hjson py-cpuinfo` for Python 3.12; see the device tool's README); they are
+# skipped, with a line saying so, when deepspeed cannot be imported.
+#
+#     OUT=/tmp/gpu bash benchmarks/gpu_checks.sh
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/lazyzero_gpu_checks}
+mkdir -p "$OUT"
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+if compgen -G ".whl/*.whl" >/dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl &&
+        export PYTHONPATH=$PYTHONPATH:/tmp/site
+fi
+
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
+python3 -c "from lazyzero.ops import build; print(build.format_status(build.build(verbose=False)))" \
+    2>&1 | tee "$OUT/build.log"
+
+status=0
+python3 -m pytest -q -m gpu tests/ops 2>&1 | tee "$OUT/gpu_kernel_tests.log" || status=1
+
+if python3 -c "import deepspeed, pydantic" 2>/dev/null; then
+    python3 -m pytest -q -m gpu tests/comm/test_comm_cuda.py tests/checkpoint/test_lazy_engine.py 2>&1 \
+        | tee "$OUT/gpu_engine_tests.log" || status=1
+    python3 benchmarks/bench_optim.py --quick --out "$OUT/bench_optim.json" 2>&1 | tee "$OUT/bench_optim.log" || status=1
+    python3 benchmarks/bench_quant.py --quick --out "$OUT/bench_quant.json" 2>&1 | tee "$OUT/bench_quant.log" || status=1
+else
+    echo "deepspeed or pydantic not importable: engine tests and benchmarks skipped (carry their wheels in .whl/)" \
+        | tee "$OUT/skipped.txt"
+fi
+exit $status

@@ -38,4 +38,28 @@ inline void check_param_and_grad(const at::Tensor& param, const at::Tensor& grad
   check_operand(grad, param, at::kFloat, param.numel(), "grad");
 }
 
+// Every operand of adam8bit_step_ (numel n, ceil(n / block_size) scales); returns the block count.
+inline int64_t check_adam8bit_operands(const at::Tensor& param, const at::Tensor& grad,
+                                       const at::Tensor& m_codes, const at::Tensor& m_scales,
+                                       const at::Tensor& v_codes, const at::Tensor& v_scales,
+                                       int64_t block_size) {
+  check_block_size(block_size);
+  check_param_and_grad(param, grad);
+  const int64_t n = param.numel();
+  const int64_t blocks = (n + block_size - 1) / block_size;
+  check_operand(m_codes, param, at::kByte, n, "m_codes");
+  check_operand(v_codes, param, at::kByte, n, "v_codes");
+  check_operand(m_scales, param, at::kFloat, blocks, "m_scales");
+  check_operand(v_scales, param, at::kFloat, blocks, "v_scales");
+  return blocks;
+}
+
+// Every operand of adam32_step_: fp32 moments of the parameter's size.
+inline void check_adam32_operands(const at::Tensor& param, const at::Tensor& grad,
+                                  const at::Tensor& m, const at::Tensor& v) {
+  check_param_and_grad(param, grad);
+  check_operand(m, param, at::kFloat, param.numel(), "m");
+  check_operand(v, param, at::kFloat, param.numel(), "v");
+}
+
 }  // namespace lazyzero::optim

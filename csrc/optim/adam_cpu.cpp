@@ -171,14 +171,9 @@ void adam8bit_step_cpu(const at::Tensor& param, const at::Tensor& grad, const at
                        const at::Tensor& v_scales, int64_t block_size, double beta1, double beta2,
                        double eps, double step_size, double inv_sqrt_bias_correction2,
                        double decay_factor, double l2_weight_decay, double grad_scale) {
-  check_block_size(block_size);
-  check_param_and_grad(param, grad);
+  const int64_t blocks =
+      check_adam8bit_operands(param, grad, m_codes, m_scales, v_codes, v_scales, block_size);
   const int64_t n = param.numel();
-  const int64_t blocks = (n + block_size - 1) / block_size;
-  check_operand(m_codes, param, at::kByte, n, "m_codes");
-  check_operand(v_codes, param, at::kByte, n, "v_codes");
-  check_operand(m_scales, param, at::kFloat, blocks, "m_scales");
-  check_operand(v_scales, param, at::kFloat, blocks, "v_scales");
   const AdamScalars k = make_adam_scalars(beta1, beta2, eps, step_size, inv_sqrt_bias_correction2,
                                           decay_factor, l2_weight_decay, grad_scale);
   const Adam8bitBuffers buffers{param.mutable_data_ptr<float>(), grad.const_data_ptr<float>(),
@@ -196,9 +191,7 @@ void adam32_step_cpu(const at::Tensor& param, const at::Tensor& grad, const at::
                      const at::Tensor& v, double beta1, double beta2, double eps, double step_size,
                      double inv_sqrt_bias_correction2, double decay_factor,
                      double l2_weight_decay, double grad_scale) {
-  check_param_and_grad(param, grad);
-  check_operand(m, param, at::kFloat, param.numel(), "m");
-  check_operand(v, param, at::kFloat, param.numel(), "v");
+  check_adam32_operands(param, grad, m, v);
   const AdamScalars k = make_adam_scalars(beta1, beta2, eps, step_size, inv_sqrt_bias_correction2,
                                           decay_factor, l2_weight_decay, grad_scale);
   float* param_data = param.mutable_data_ptr<float>();

@@ -230,15 +230,10 @@ void adam8bit_step_cuda(const at::Tensor& param, const at::Tensor& grad, const a
                         const at::Tensor& v_scales, int64_t block_size, double beta1, double beta2,
                         double eps, double step_size, double inv_sqrt_bias_correction2,
                         double decay_factor, double l2_weight_decay, double grad_scale) {
-  check_block_size(block_size);
-  check_param_and_grad(param, grad);
+  const int64_t nblocks =
+      check_adam8bit_operands(param, grad, m_codes, m_scales, v_codes, v_scales, block_size);
   TORCH_CHECK(param.is_cuda(), "param must be a CUDA tensor, got ", param.device());
   const int64_t n = param.numel();
-  const int64_t nblocks = quant::num_blocks(n, block_size);
-  check_operand(m_codes, param, at::kByte, n, "m_codes");
-  check_operand(v_codes, param, at::kByte, n, "v_codes");
-  check_operand(m_scales, param, at::kFloat, nblocks, "m_scales");
-  check_operand(v_scales, param, at::kFloat, nblocks, "v_scales");
   if (n == 0) return;
   const c10::cuda::CUDAGuard guard(param.device());
   const QuantizedMoment m{m_codes.mutable_data_ptr<uint8_t>(), m_scales.mutable_data_ptr<float>()};
@@ -262,11 +257,9 @@ void adam32_step_cuda(const at::Tensor& param, const at::Tensor& grad, const at:
                       const at::Tensor& v, double beta1, double beta2, double eps, double step_size,
                       double inv_sqrt_bias_correction2, double decay_factor, double l2_weight_decay,
                       double grad_scale) {
-  check_param_and_grad(param, grad);
+  check_adam32_operands(param, grad, m, v);
   TORCH_CHECK(param.is_cuda(), "param must be a CUDA tensor, got ", param.device());
   const int64_t n = param.numel();
-  check_operand(m, param, at::kFloat, n, "m");
-  check_operand(v, param, at::kFloat, n, "v");
   if (n == 0) return;
   const c10::cuda::CUDAGuard guard(param.device());
   const AdamScalars scalars =

@@ -21,8 +21,24 @@ import torch
 
 from lazyzero.ops import adam8bit as kernels
 
-EIGHT_BIT_KEYS = ("m_codes", "m_scales", "sqrt_v_codes", "sqrt_v_scales")
+CODE_KEYS = ("m_codes", "sqrt_v_codes")
+SCALE_KEYS = ("m_scales", "sqrt_v_scales")
+EIGHT_BIT_KEYS = CODE_KEYS + SCALE_KEYS
 FP32_KEYS = ("exp_avg", "exp_avg_sq")
+
+
+def decode_moments(state: dict, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first moment and the square root of the second, flat fp32, from an 8-bit state."""
+    return (kernels.dequantize_m(state["m_codes"], state["m_scales"], block_size),
+            kernels.dequantize_s(state["sqrt_v_codes"], state["sqrt_v_scales"], block_size))
+
+
+def encode_moments(m: torch.Tensor, sqrt_v: torch.Tensor, block_size: int) -> dict[str, torch.Tensor]:
+    """The 8-bit state entries (codes and scales) of a first moment and a second moment's root."""
+    state = {}
+    state["m_codes"], state["m_scales"] = kernels.quantize_m(m, block_size)
+    state["sqrt_v_codes"], state["sqrt_v_scales"] = kernels.quantize_s(sqrt_v, block_size)
+    return state
 
 
 class Adam8bit(torch.optim.Optimizer):
@@ -106,10 +122,8 @@ class Adam8bit(torch.optim.Optimizer):
         state, group = self.state[param], self._group_of(param)
         if "m_codes" not in state:
             return {key: state[key].clone() for key in FP32_KEYS}
-        block = group["block_size"]
-        sqrt_v = kernels.dequantize_s(state["sqrt_v_codes"], state["sqrt_v_scales"], block)
-        return {"exp_avg": kernels.dequantize_m(state["m_codes"], state["m_scales"], block).view_as(param),
-                "exp_avg_sq": (sqrt_v * sqrt_v).view_as(param)}
+        m, sqrt_v = decode_moments(state, group["block_size"])
+        return {"exp_avg": m.view_as(param), "exp_avg_sq": (sqrt_v * sqrt_v).view_as(param)}
 
     def state_bytes(self) -> int:
         """Bytes of moment state held now (codes, scales, fp32 moments), without step counters."""
@@ -131,7 +145,7 @@ class Adam8bit(torch.optim.Optimizer):
         # back to uint8, exactly, since fp32 holds every integer 0..255.
         super().load_state_dict(state_dict)
         for state in self.state.values():
-            for key in ("m_codes", "sqrt_v_codes"):
+            for key in CODE_KEYS:
                 if key in state:
                     state[key] = state[key].to(torch.uint8)
 

@@ -35,9 +35,7 @@ def global_grad_norm(gradients: Iterable[torch.Tensor | None], group=None, reduc
     present = [grad for grad in gradients if grad is not None and grad.numel() > 0]
     device = present[0].device if present else torch.device("cpu")
     local = kernels.sum_squares(present) if present else torch.zeros((), dtype=torch.float64, device=device)
-    if reduce and dist.is_initialized() and dist.get_world_size(group=group) > 1:
-        dist.all_reduce(local, op=dist.ReduceOp.SUM, group=group)
-    return local.sqrt()
+    return _root_of_sum_over_ranks(local, group) if reduce and dist.is_initialized() else local.sqrt()
 
 
 def grad_scale_for(total_norm, loss_scale: float, clip_grad: float) -> float:
@@ -64,9 +62,14 @@ def norm_from_offload_copies(zero_optimizer, params: Iterable[torch.Tensor], gro
     # The norms were taken on the accelerator, where the reduction runs too.
     device = get_accelerator().current_device_name()
     local = torch.stack(squares).sum() if squares else torch.zeros((), dtype=torch.float64, device=device)
+    return _root_of_sum_over_ranks(local, group)
+
+
+def _root_of_sum_over_ranks(local_sum_of_squares: torch.Tensor, group) -> torch.Tensor:
+    """The one cross-rank reduction of a norm: fp64 sum of every rank's squares, then the root."""
     if dist.get_world_size(group=group) > 1:
-        dist.all_reduce(local, op=dist.ReduceOp.SUM, group=group)
-    return local.sqrt()
+        dist.all_reduce(local_sum_of_squares, op=dist.ReduceOp.SUM, group=group)
+    return local_sum_of_squares.sqrt()
 
 
 def _set_grad_scale(zero_optimizer, scale: float) -> None:

@@ -151,9 +151,7 @@ class LazyZeroEngine(DeepSpeedEngine):
         if tag is None:
             return None, None
         reshard = (self.uses_8bit_optimizer and load_optimizer_states and not load_module_only
-                   and optimizer_reshard.needs_resharding(self, load_dir, tag))
-        if reshard:
-            optimizer_reshard.check_reshardable(self, load_dir, tag)
+                   and optimizer_reshard.reshard_needed(self, load_dir, tag))
         load_path, client_state = super().load_checkpoint(
             load_dir, tag=tag, load_module_strict=load_module_strict,
             load_optimizer_states=load_optimizer_states and not reshard,

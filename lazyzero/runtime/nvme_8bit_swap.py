@@ -32,11 +32,9 @@ from deepspeed.runtime.swap_tensor.optimizer_utils import OptimizerSwapper
 from deepspeed.runtime.swap_tensor.partitioned_optimizer_swapper import PartitionedOptimizerSwapper
 from deepspeed.runtime.swap_tensor.utils import swap_in_tensors, swap_out_tensors
 
-from lazyzero.optim.adam8bit import EIGHT_BIT_KEYS
+from lazyzero.optim.adam8bit import CODE_KEYS, EIGHT_BIT_KEYS, SCALE_KEYS
 
 PACKED_FILE_SUFFIX = ".adam8bit.swp"
-CODE_KEYS = ("m_codes", "sqrt_v_codes")
-SCALE_KEYS = ("m_scales", "sqrt_v_scales")
 
 
 def _round_up(value: int, multiple: int) -> int:

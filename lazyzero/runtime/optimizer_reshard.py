@@ -19,7 +19,7 @@ import os
 import deepspeed.comm as dist
 import torch
 
-from lazyzero.ops import adam8bit as kernels
+from lazyzero.optim.adam8bit import decode_moments, encode_moments
 
 OPTIMIZER_STATE_DICT = "optimizer_state_dict"
 BASE_OPTIMIZER_STATE = "base_optimizer_state"
@@ -31,18 +31,18 @@ def saved_optimizer_files(load_dir: str, tag: str) -> list[str]:
     return sorted(glob.glob(pattern), key=lambda path: int(os.path.basename(path).split("zero_pp_rank_")[1].split("_")[0]))
 
 
-def needs_resharding(engine, load_dir: str, tag: str) -> bool:
-    files = saved_optimizer_files(load_dir, tag)
-    return bool(files) and len(files) != engine.dp_world_size
-
-
-def check_reshardable(engine, load_dir: str, tag: str) -> None:
+def reshard_needed(engine, load_dir: str, tag: str) -> bool:
+    """True when the tag was saved by another number of data-parallel ranks and can be re-split here;
+    a ValueError naming both counts when it cannot (ZeRO-3)."""
+    saved = len(saved_optimizer_files(load_dir, tag))
+    if saved == 0 or saved == engine.dp_world_size:
+        return False
     if engine.zero_optimization_stage() not in (1, 2):
-        saved = len(saved_optimizer_files(load_dir, tag))
         raise ValueError(
             f"checkpoint {os.path.join(load_dir, str(tag))} was saved by {saved} data-parallel ranks, this run has "
             f"{engine.dp_world_size}: 8-bit optimizer states are re-split for ZeRO stages 1 and 2 only; load with "
             f"{saved} ranks, or with load_optimizer_states=False to restart the optimizer")
+    return True
 
 
 def restore_resharded_states(engine, load_dir: str, tag: str) -> None:
@@ -60,12 +60,8 @@ def restore_resharded_states(engine, load_dir: str, tag: str) -> None:
         state["step"] = per_rank[0]["step"]
         if "m_codes" in per_rank[0]:
             block = group["block_size"]
-            m = _padded_slice(torch.cat([kernels.dequantize_m(r["m_codes"], r["m_scales"], block) for r in per_rank]),
-                              start, size)
-            s = _padded_slice(torch.cat([kernels.dequantize_s(r["sqrt_v_codes"], r["sqrt_v_scales"], block)
-                                         for r in per_rank]), start, size)
-            state["m_codes"], state["m_scales"] = kernels.quantize_m(m, block)
-            state["sqrt_v_codes"], state["sqrt_v_scales"] = kernels.quantize_s(s, block)
+            m, sqrt_v = (torch.cat(parts) for parts in zip(*(decode_moments(r, block) for r in per_rank)))
+            state.update(encode_moments(_padded_slice(m, start, size), _padded_slice(sqrt_v, start, size), block))
         else:
             for key in ("exp_avg", "exp_avg_sq"):
                 state[key] = _padded_slice(torch.cat([r[key].float().view(-1) for r in per_rank]), start, size)

@@ -12,6 +12,7 @@ import math
 
 from deepspeed.utils.logging import print_dist
 
+from lazyzero.config.cross_checks import ADAM_FAMILY
 from lazyzero.optim import Adam8bit, AdamW8bit
 from lazyzero.optim import clipping
 from lazyzero.optim.policy import choose_state_precision, split_param_groups
@@ -34,7 +35,7 @@ def check_optimizer_source(lazyzero_config, client_optimizer, config_class) -> N
             "optimizer is built from the config's \"optimizer\" section instead; pass optimizer=None, or set "
             "lazyzero.optimizer.type to 'none' to keep yours")
     name = getattr(config_class, "optimizer_name", None)
-    if name is None or name.lower() not in ("adam", "adamw"):
+    if name is None or name.lower() not in ADAM_FAMILY:
         raise ValueError(f"lazyzero.optimizer.type {chosen!r} needs an \"optimizer\" section of type Adam or AdamW "
                          f"in the DeepSpeed config (its hyper-parameters are used); got {name!r}")
 

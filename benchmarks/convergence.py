@@ -58,7 +58,7 @@ def plot_panels(panels: dict[str, dict[str, list[float]]], path: Path) -> None:
     for axis, (title, curves) in zip(axes[0], panels.items()):
         for label, values in curves.items():
             axis.plot(range(1, len(values) + 1), smoothed(values), label=label,
-                      linestyle="--" if "fp32" in label else "-")
+                      linestyle="--" if "fp32" in label or "baseline" in label else "-")
         axis.set_title(title)
         axis.set_xlabel("step")
         axis.set_ylabel(f"training loss (mean of {SMOOTHING})")

@@ -161,7 +161,6 @@ BAD_CONFIGS = [
     ({"gradients": {"error_feedback": True}}, "lazyzero.gradients.error_feedback",
      "got true; allowed: false while lazyzero.gradients.quantize is 'none'"),
     ({"plan": {"enabled": True}}, "lazyzero.plan.enabled", "got true; not available in lazyzero 0.1.0 yet (issue 7); allowed now: false"),
-    ({"activations": {"enabled": True}}, "lazyzero.activations.enabled", "(issue 6); allowed now: false"),
     # lazyzero paths on this machine
     ({"plan": {"nvme_path": "{tmp}/missing/deeper"}}, "lazyzero.plan.nvme_path", "allowed: an existing directory this process can write to (it does not exist"),
     ({"plan": {"nvme_path": "{tmp}/a_file"}}, "lazyzero.plan.nvme_path", "(it is not a directory)"),

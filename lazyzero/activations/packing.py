@@ -18,6 +18,13 @@ not, and once a storage is kept unpacked (a 16-bit module saved it) later saves 
 it as well would only add a copy. Nothing refers to the original tensor once it is packed, so its
 memory is freed as soon as the forward pass drops it.
 
+Some tensors need not be stored at all: `derive(output, fn, *sources)` records that `output` is
+`fn(*sources)` for sources already stored, so a later save of `output` keeps only that recipe and
+backward recomputes it from the sources' stored forms (the product inside a gated MLP, see
+`lazyzero/activations/rewrites.py`). Such a tensor counts 0 bytes after packing. The recipe
+is used only where its sources are stored at least as wide as the saving module's width: a 16-bit
+module keeps the exact tensor, an 8-bit one does not take a recipe over 4-bit sources.
+
 Composes with activation checkpointing: torch's checkpoint pushes its own saved-tensor hooks inside
 ours, so what it recomputes never reaches the packer, and the policy gives recomputed layers 16 bits.
 """
@@ -27,36 +34,77 @@ from __future__ import annotations
 import functools
 import weakref
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 from torch import nn
 
 from lazyzero.activations.accounting import ActivationAccounting
+from lazyzero.activations import rewrites
 from lazyzero.activations.policy import KEEP_BITS, ActivationPolicy, ModuleBits
 from lazyzero.ops.quant import SUPPORTED_DTYPES, BlockQuantized, dequantize_blockwise, quantize_blockwise
 
 
 @dataclass(frozen=True)
-class PackedView:
-    """What autograd holds instead of a saved tensor: its storage, packed, and its geometry in it."""
+class DerivedStorage:
+    """A contiguous storage that backward recomputes as `fn(*sources)` instead of storing it."""
 
-    storage: BlockQuantized
+    fn: Callable[..., torch.Tensor]
+    sources: tuple  # PackedView (stored packed) or torch.Tensor (kept as saved)
+
+    @property
+    def bits(self) -> int:
+        """The narrowest width among the sources: the precision the recipe rebuilds at."""
+        return min((_stored_bits(source) for source in self.sources), default=KEEP_BITS)
+
+    def materialize(self) -> torch.Tensor:
+        with torch.no_grad():
+            return self.fn(*(unpack_saved(source) for source in self.sources)).reshape(-1)
+
+
+@dataclass(frozen=True)
+class PackedView:
+    """What autograd holds instead of a saved tensor: its storage, packed (or derived), and its
+    geometry in it."""
+
+    storage: BlockQuantized | DerivedStorage
     shape: torch.Size
     stride: tuple[int, ...]
     storage_offset: int
 
     def unpack(self) -> torch.Tensor:
-        flat = dequantize_blockwise(self.storage)
+        if isinstance(self.storage, DerivedStorage):
+            flat = self.storage.materialize()
+        else:
+            flat = dequantize_blockwise(self.storage)
         return flat.as_strided(self.shape, self.stride, self.storage_offset)
+
+    @classmethod
+    def of(cls, storage: BlockQuantized | DerivedStorage, tensor: torch.Tensor) -> PackedView:
+        return cls(storage, tensor.shape, tensor.stride(), tensor.storage_offset())
+
+
+def _stored_bits(saved) -> int:
+    if not isinstance(saved, PackedView):
+        return KEEP_BITS
+    return saved.storage.bits
+
+
+def unpack_saved(saved) -> torch.Tensor:
+    """The tensor behind what the pack hook returned (a PackedView, or the tensor itself)."""
+    return saved.unpack() if isinstance(saved, PackedView) else saved
 
 
 @dataclass
 class _StoredStorage:
-    """The forms (width -> packed storage, or None when kept) of one storage seen in this forward pass."""
+    """The forms (width -> packed storage, or None when kept) of one storage seen in this forward
+    pass, or the recipe that recomputes it (`derived`)."""
 
     root: weakref.ref
     version: int
     forms: dict[int, BlockQuantized | None] = field(default_factory=dict)
+    derived: DerivedStorage | None = None
+    derived_counted: bool = False
 
 
 class ActivationPacker:
@@ -84,6 +132,23 @@ class ActivationPacker:
             self._handles.append(
                 module.register_forward_hook(functools.partial(self._exit_module, entry), always_call=True)
             )
+        self._rewritten = self._install_rewrites(modules) if policy.config.recompute_elementwise else []
+
+    def _install_rewrites(self, modules: dict[str, nn.Module]) -> list[nn.Module]:
+        """Norms and gated MLPs below 16 bits store fewer tensors (lazyzero/activations/rewrites.py)."""
+        rewritten = []
+        for entry in self.managed:
+            module = modules[entry.name]
+            if entry.bits == KEEP_BITS:
+                continue
+            if entry.kind == "norm":
+                rewrites.recompute_from_input(module, self)
+            elif entry.kind == "mlp" and rewrites.is_gated_mlp(module):
+                rewrites.derive_gated_product(module, self)
+            else:
+                continue
+            rewritten.append(module)
+        return rewritten
 
     def __enter__(self) -> ActivationPacker:
         hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
@@ -102,6 +167,41 @@ class ActivationPacker:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        for module in self._rewritten:
+            rewrites.restore_forward(module)
+        self._rewritten.clear()
+
+    @property
+    def active(self) -> bool:
+        """Inside `with packer:` with autograd recording (the only time tensors get saved)."""
+        return bool(self._active) and torch.is_grad_enabled()
+
+    def derive(self, output: torch.Tensor, fn: Callable[..., torch.Tensor], *sources: torch.Tensor) -> None:
+        """Record that `output` equals `fn(*sources)`; a later save of it stores only this recipe.
+
+        Every source must already be stored in this forward pass (saved by an earlier operation),
+        else nothing is recorded and `output` is packed as usual when saved. `fn` must rebuild
+        `output` from the sources as stored (dequantized when packed).
+        """
+        if not self.active or output._base is not None or not output.is_contiguous():
+            return
+        forms = [self._stored_form(source) for source in sources]
+        if any(form is None for form in forms):
+            return
+        self._stored_for(output).derived = DerivedStorage(fn, tuple(forms))
+
+    def _stored_form(self, tensor: torch.Tensor):
+        """What backward will hold for `tensor`: itself when kept, a PackedView of it, or None if unsaved."""
+        root = tensor if tensor._base is None else tensor._base
+        stored = self._stored.get(id(root))
+        if stored is None or stored.root() is not root or stored.version != root._version:
+            return None
+        if KEEP_BITS in stored.forms:
+            return tensor
+        if stored.derived is not None:
+            return PackedView.of(stored.derived, tensor)
+        packed = next((form for form in stored.forms.values() if form is not None), None)
+        return PackedView.of(packed, tensor) if packed is not None else None
 
     def _enter_module(self, entry: ModuleBits, module: nn.Module, args) -> None:
         self._scopes.append((entry, module))
@@ -122,16 +222,24 @@ class ActivationPacker:
         stored = self._stored_for(root)
         if KEEP_BITS in stored.forms:
             return tensor
+        if stored.derived is not None and stored.derived.bits >= bits:
+            if not stored.derived_counted:
+                stored.derived_counted = True
+                layer, kind = (entry.layer, entry.kind) if entry else (None, None)
+                self.accounting.record(layer, kind, root.untyped_storage().nbytes(), 0)
+            return PackedView.of(stored.derived, tensor)
         if bits not in stored.forms:
             stored.forms[bits] = self._store(root, bits, entry)
+            if stored.forms[bits] is None:
+                stored.forms[KEEP_BITS] = None  # kept exact: every later save refers to it as it is
         packed = stored.forms[bits]
         if packed is None:
             return tensor
-        return PackedView(packed, tensor.shape, tensor.stride(), tensor.storage_offset())
+        return PackedView.of(packed, tensor)
 
     @staticmethod
     def _unpack(packed):
-        return packed.unpack() if isinstance(packed, PackedView) else packed
+        return unpack_saved(packed)
 
     def _packable(self, tensor: torch.Tensor) -> bool:
         root = tensor if tensor._base is None else tensor._base
@@ -168,6 +276,11 @@ class ActivationPacker:
         packed = quantize_blockwise(
             flat, bits=bits, block_size=config.block_size, stochastic=config.stochastic_rounding, seed=self._seed
         )
+        # A block holding Inf or NaN (SDPA's logsumexp is -inf on fully masked rows) would come back
+        # as all NaN: keep such a tensor exact. One check over the scales, a block-th of the tensor.
+        if not bool(torch.isfinite(packed.scales).all()):
+            self.accounting.record(layer, kind, before, before)
+            return None
         after = packed.codes.untyped_storage().nbytes() + packed.scales.untyped_storage().nbytes()
         self.accounting.record(layer, kind, before, after)
         return packed

@@ -84,6 +84,9 @@ class ActivationsConfig(ConfigSection):
     recompute_layers: LayerIndices = Field(default_factory=list)
     """Layers whose activations are recomputed in backward instead of saved."""
 
+    recompute_elementwise: bool = True
+    """In quantized modules, store only what cheap elementwise work cannot rebuild: norms keep just their input, gated MLPs drop act(gate) and the product (rebuilt in backward, no extra matmul)."""
+
 
 class GradientsConfig(ConfigSection):
     """Gradient reduce-scatter as an int8 all-to-all followed by a local dequantize-and-sum."""

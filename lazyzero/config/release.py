@@ -13,7 +13,6 @@ from lazyzero.config.models import LazyZeroConfig
 # key path inside the "lazyzero" section -> (the only value allowed for now, issue that implements it)
 NOT_YET_AVAILABLE = {
     "plan.enabled": (False, 7),
-    "activations.enabled": (False, 6),
 }
 
 

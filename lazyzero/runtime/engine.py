@@ -16,6 +16,7 @@ from deepspeed.utils.logging import print_dist
 
 from lazyzero.config import LazyZeroConfig
 from lazyzero.runtime import checkpointing, optimizer_reshard, optimizer_setup
+from lazyzero.runtime.activation_setup import ActivationMemory
 from lazyzero.runtime.grad_exchange_hooks import install_int8_gradients
 from lazyzero.runtime.nvme_8bit_swap import eight_bit_state_swapping
 from lazyzero.runtime.nvme_restore import replay_cpu_adam_after_load, restore_nvme_offloaded_state
@@ -31,6 +32,9 @@ class LazyZeroEngine(DeepSpeedEngine):
         optimizer_setup.check_optimizer_source(lazyzero_config, kwargs.get("optimizer"), kwargs.get("config_class"))
         super().__init__(*args, **kwargs)
         self._gradient_exchange = None
+        self._activation_memory = None
+        if lazyzero_config.activations.enabled:
+            self._activation_memory = ActivationMemory(self.module, lazyzero_config.activations)
         if lazyzero_config.gradients.quantize == "int8":
             # Installed after construction: no gradient is reduced before the first backward.
             self._gradient_exchange = install_int8_gradients(self)
@@ -46,11 +50,15 @@ class LazyZeroEngine(DeepSpeedEngine):
         With lazy checkpoints, this rank's figures of the newest committed checkpoint:
         `checkpoint_tag`, `checkpoint_bytes`, `checkpoint_copy_s`, `checkpoint_write_s` and
         `checkpoint_commit_s` (from `save_checkpoint` returning to the commit).
+        With activation quantization, `activation_saved_bytes` and `activation_packed_bytes`: this
+        rank's saved activations over the step's forward passes, unpacked and as stored.
         With the 8-bit optimizer, `optimizer_state_bytes`: this rank's moment state held in memory
         (codes, scales and the fp32 moments of the groups that keep them; sub-groups swapped out to
         NVMe at that moment are not counted).
         """
         metrics = {}
+        if self._activation_memory is not None:
+            metrics.update(self._activation_memory.step_metrics())
         if self.uses_8bit_optimizer:
             metrics["optimizer_state_bytes"] = self.basic_optimizer.state_bytes()
         if self._gradient_exchange is not None:
@@ -61,6 +69,18 @@ class LazyZeroEngine(DeepSpeedEngine):
                            checkpoint_copy_s=commit["copy_s"], checkpoint_write_s=commit["write_s"],
                            checkpoint_commit_s=commit["queued_to_committed_s"])
         return metrics
+
+    def lazyzero_report(self) -> dict:
+        """What lazyzero features add to the run report: saved-activation bytes per layer (last step)."""
+        return self._activation_memory.report() if self._activation_memory is not None else {}
+
+    # --- saved activations (lazyzero/runtime/activation_setup.py) ---------------------------------
+
+    def forward(self, *inputs, **kwargs):
+        if self._activation_memory is None:
+            return super().forward(*inputs, **kwargs)
+        with self._activation_memory.packer:
+            return super().forward(*inputs, **kwargs)
 
     # --- 8-bit optimizer and fused clipping (lazyzero/runtime/optimizer_setup.py) -------------------
 

@@ -157,6 +157,7 @@ class Trainer:
             "memory_kind": "GPU max allocated" if torch.cuda.is_available() else "process peak RSS",
             "wall_time_s": wall_s,
             "lazyzero_features": self.engine.lazyzero_config.enabled_features(),
+            **self.engine.lazyzero_report(),
         }
         json_path, png_path = write_run_report(self.output_dir, summary, records)
         print(f"lazyzero: report {json_path} and {png_path}; eval accuracy {acc_before} -> {acc_after}")

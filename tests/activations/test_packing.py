@@ -20,6 +20,7 @@ BLOCK = 64
 POLICIES = {
     "all-16": ActivationsConfig(default_bits=16, attention_bits=16),
     "default": ActivationsConfig(),
+    "default-packing-only": ActivationsConfig(recompute_elementwise=False),
     "all-8": ActivationsConfig(default_bits=8, attention_bits=8),
 }
 
@@ -75,18 +76,26 @@ def expected_bytes(config: ActivationsConfig) -> dict:
       SDPA's output [B,S,H] (o_proj saves a reshaped view of it) and logsumexp [B,heads,S];
     - MLP: its input [B,S,H] (gate and up projections), gate output [B,S,I] (SiLU), SiLU output and
       up output [B,S,I] (their mul), their product [B,S,I] (down projection).
+    With `recompute_elementwise` (rewrites.py) a quantized norm saves only its input [B,S,H], and the
+    MLP's input (the norm's output), SiLU output and product are recipes: counted, 0 bytes after;
+    so is attention's input when attention is quantized no wider than the norm.
     """
     tokens = BATCH * SEQ
+    rewritten = config.recompute_elementwise and config.default_bits < 16
     numels = {
-        "norm": [tokens * HIDDEN, tokens, tokens * HIDDEN] * 2,
+        "norm": [tokens * HIDDEN] * 2 if rewritten else [tokens * HIDDEN, tokens, tokens * HIDDEN] * 2,
         "attention": [tokens * HIDDEN] + [tokens * HEAD_DIM] * 2 + [tokens * HIDDEN] * 4 + [tokens * HEADS],
         "mlp": [tokens * HIDDEN] + [tokens * INTERMEDIATE] * 4,
     }
+    recipes = {"mlp": {0, 2, 4}} if rewritten else {}  # MLP input, SiLU output, product
+    if rewritten and config.attention_bits <= config.default_bits:
+        recipes["attention"] = {0}  # its input: the norm's output, rebuilt from the norm's stored input
     bits = {"norm": config.default_bits, "mlp": config.default_bits, "attention": config.attention_bits}
     expected = {}
     for kind, sizes in numels.items():
         before = sum(4 * n for n in sizes)  # fp32
-        after = before if bits[kind] == 16 else sum(packed_bytes(n, bits[kind]) for n in sizes)
+        stored = [n for i, n in enumerate(sizes) if i not in recipes.get(kind, ())]
+        after = before if bits[kind] == 16 else sum(packed_bytes(n, bits[kind]) for n in stored)
         expected[kind] = (before, after, len(sizes))
     return expected
 

@@ -1,0 +1,99 @@
+"""Cheap recomputation in quantized modules (lazyzero/activations/rewrites.py) and non-finite saves."""
+
+import pytest
+import torch
+from transformers import LlamaConfig
+from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm
+
+from lazyzero.activations import ActivationPacker, ActivationPolicy, rewrites
+from lazyzero.config.models import ActivationsConfig
+
+
+class Holder(torch.nn.Module):
+    """`module` under a name the policy classifies ("mlp", "norm") and quantizes."""
+
+    def __init__(self, name: str, module: torch.nn.Module):
+        super().__init__()
+        self.add_module(name, module)
+        self.name = name
+
+    def forward(self, x):
+        return getattr(self, self.name)(x)
+
+
+def llama_config() -> LlamaConfig:
+    return LlamaConfig(hidden_size=64, intermediate_size=172, num_attention_heads=4, vocab_size=32)
+
+
+def outputs_and_grads(module: torch.nn.Module, x: torch.Tensor) -> list[torch.Tensor]:
+    module.zero_grad()
+    leaf = x.clone().requires_grad_(True)
+    out = module(leaf)
+    out.backward(torch.linspace(-1, 1, out.numel()).reshape(out.shape))
+    return [out.detach(), leaf.grad] + [p.grad.clone() for p in module.parameters()]
+
+
+@pytest.mark.parametrize("make", [lambda: LlamaRMSNorm(64), lambda: torch.nn.LayerNorm(64),
+                                  lambda: LlamaMLP(llama_config())], ids=["rmsnorm", "layernorm", "gated_mlp"])
+def test_rewritten_modules_compute_exactly_what_the_originals_do(make):
+    """Outside `with packer:` nothing is packed, so a rewrite must be exact: same values, same grads."""
+    torch.manual_seed(0)
+    module = make()
+    with torch.no_grad():
+        for param in module.parameters():
+            param.add_(torch.randn_like(param) * 0.1)
+    x = torch.randn(2, 8, 64)
+    expected = outputs_and_grads(module, x)
+    packer = ActivationPacker(Holder("mlp" if isinstance(module, LlamaMLP) else "norm", module),
+                              ActivationPolicy(ActivationsConfig()))
+    assert "forward" in vars(module)  # rewritten
+    found = outputs_and_grads(module, x)
+    for a, b in zip(found, expected):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    packer.remove()
+    assert "forward" not in vars(module)
+
+
+def test_sixteen_bit_modules_and_the_switch_leave_modules_as_they_are():
+    norm = LlamaRMSNorm(64)
+    ActivationPacker(Holder("norm", norm), ActivationPolicy(ActivationsConfig(default_bits=16)))
+    assert "forward" not in vars(norm)
+    ActivationPacker(Holder("norm", norm), ActivationPolicy(ActivationsConfig(recompute_elementwise=False)))
+    assert "forward" not in vars(norm)
+
+
+def test_a_quantized_norm_stores_only_its_input():
+    norm = Holder("norm", LlamaRMSNorm(256))
+    packer = ActivationPacker(norm, ActivationPolicy(ActivationsConfig()))
+    x = torch.randn(4, 256, requires_grad=True)
+    with packer:
+        out = norm(x * 1.0)
+    cell = packer.accounting.total()
+    assert (cell.tensors, cell.before) == (1, x.numel() * 4)
+    out.sum().backward()
+    assert torch.isfinite(x.grad).all() and norm.norm.weight.grad.abs().sum() > 0
+
+
+class MaskedProduct(torch.nn.Module):
+    """x * mask with -inf in the mask (like SDPA's logsumexp on fully masked rows)."""
+
+    def forward(self, x, mask):
+        return x * mask
+
+
+def test_tensors_with_infinities_are_kept_exact():
+    model = Holder("mlp", MaskedProduct())
+    model.forward = lambda x, mask: model.mlp(x, mask)
+    packer = ActivationPacker(model, ActivationPolicy(ActivationsConfig()))
+    x = torch.randn(512, requires_grad=True)
+    mask = torch.randn(512, requires_grad=True)
+    masked = mask.detach().clone()
+    masked[7] = -float("inf")
+    masked.requires_grad_(True)
+    with packer:
+        out = model(x * 1.0, masked * 1.0)
+    out.sum().backward()
+    assert x.grad[7] == -float("inf")
+    assert torch.equal(x.grad[torch.arange(512) != 7], masked.detach()[torch.arange(512) != 7])
+    kept = [cell for cell in packer.accounting.by_kind().values()]
+    assert sum(cell.after for cell in kept) > sum(cell.before for cell in kept) / 2  # the -inf one kept

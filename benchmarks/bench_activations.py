@@ -2,8 +2,8 @@
 
 One training step (forward, backward, AdamW step) of a bf16 model from a preset, at a sequence length
 where saved activations dominate memory, in one process: the baseline (no lazyzero hooks) and the
-default activation policy of `"lazyzero": {"activations": {"enabled": true}}` (attention kept,
-norms and MLP at 4 bits, cheap elementwise recomputation on). Keys:
+default activation policy of `"lazyzero": {"activations": {"enabled": true}}` (attention kept, norms at
+8 bits, MLPs at 4, cheap elementwise recomputation on). Keys:
 
 - `saved_bytes_ratio`: bytes the quantized step stores for backward over the bytes autograd saves in
   the baseline (counted by the packer with every module at 16 bits: the same tensors, unpacked);

@@ -1,7 +1,7 @@
 """Does the demo model train as well with 4-bit saved activations? 2 ranks, ZeRO-3, 300 steps.
 
 The unquantized run (ds_configs/cpu_demo.json) against the default activation policy
-(ds_configs/cpu_demo_act4.json: attention kept, the rest at 4 bits), same seed and data. Figure of
+(ds_configs/cpu_demo_act4.json: attention kept, norms at 8 bits, the rest at 4), same seed and data. Figure of
 merit: the mean of the last 50 training losses, quantized over unquantized (issue 6 target: at most
 1.03), with the eval accuracy (exact match on held-out problems) of both runs after training.
 Writes a plot of the curves beside `--out`.
@@ -14,26 +14,15 @@ Each 300-step run takes 10 to 20 minutes on 2 CPU cores; `--runs DIR` keeps them
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # `common` sits beside this script
 from common import write_results  # noqa: E402
-from convergence import ROOT, TAIL, plot_panels, tail_mean, train  # noqa: E402
+from convergence import ROOT, TAIL, parse_args, plot_panels, tail_mean, train  # noqa: E402
 
 CONFIGS = {"16-bit": ROOT / "ds_configs" / "cpu_demo.json", "4-bit": ROOT / "ds_configs" / "cpu_demo_act4.json"}
-
-
-def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="60 steps instead of 300 (smoke run)")
-    parser.add_argument("--out", type=Path, help="write the results as JSON here (and the plot beside it)")
-    parser.add_argument("--seed", type=int, default=1234, help="training seed (data order, init)")
-    parser.add_argument("--runs", type=Path, default=ROOT / "runs" / "activations_convergence",
-                        help="where the training runs go; complete runs found there are reused")
-    return parser.parse_args()
 
 
 def eval_accuracy(run_dir: Path) -> float | None:
@@ -42,7 +31,7 @@ def eval_accuracy(run_dir: Path) -> float | None:
 
 
 def main() -> None:
-    args = parse_args()
+    args = parse_args(__doc__.splitlines()[0], "activations_convergence")
     steps = 60 if args.quick else 300
     args.runs.mkdir(parents=True, exist_ok=True)
     run_dirs = {kind: args.runs / f"stage3_{kind}_seed{args.seed}" for kind in CONFIGS}

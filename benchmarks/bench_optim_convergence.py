@@ -15,13 +15,12 @@ Each 300-step run takes about 10 minutes on 2 CPU cores; `--runs DIR` keeps them
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # `common` sits beside this script
 from common import write_results  # noqa: E402
-from convergence import ROOT, TAIL, plot_panels, tail_mean, train  # noqa: E402
+from convergence import ROOT, TAIL, parse_args, plot_panels, tail_mean, train  # noqa: E402
 
 CONFIGS = ROOT / "ds_configs"
 LAYOUTS = {
@@ -30,18 +29,8 @@ LAYOUTS = {
 }
 
 
-def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="60 steps instead of 300 (smoke run)")
-    parser.add_argument("--out", type=Path, help="write the results as JSON here (and the plot beside it)")
-    parser.add_argument("--seed", type=int, default=1234, help="training seed (data order, init)")
-    parser.add_argument("--runs", type=Path, default=ROOT / "runs" / "optim_convergence",
-                        help="where the training runs go; complete runs found there are reused")
-    return parser.parse_args()
-
-
 def main() -> None:
-    args = parse_args()
+    args = parse_args(__doc__.splitlines()[0], "optim_convergence")
     steps = 60 if args.quick else 300
     args.runs.mkdir(parents=True, exist_ok=True)
     ratios, details, panels = {}, {"steps": steps, "seed": args.seed, f"mean_last_{TAIL}_loss": {}}, {}

@@ -7,6 +7,7 @@ reused, so an interrupted benchmark resumes and baselines are shared between run
 
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
 
@@ -15,6 +16,17 @@ from lazyzero.testing import run_distributed
 ROOT = Path(__file__).resolve().parents[1]
 TAIL = 50
 SMOOTHING = 10
+
+
+def parse_args(description: str, runs_name: str) -> argparse.Namespace:
+    """--quick (60 steps), --out, --seed and --runs (default runs/<runs_name>) of a convergence benchmark."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--quick", action="store_true", help="60 steps instead of 300 (smoke run)")
+    parser.add_argument("--out", type=Path, help="write the results as JSON here (and the plot beside it)")
+    parser.add_argument("--seed", type=int, default=1234, help="training seed (data order, init)")
+    parser.add_argument("--runs", type=Path, default=ROOT / "runs" / runs_name,
+                        help="where the training runs go; complete runs found there are reused")
+    return parser.parse_args()
 
 
 def losses(run_dir: Path) -> list[float]:

@@ -28,9 +28,12 @@ status=0
 python3 -m pytest -q -m gpu tests/ops 2>&1 | tee "$OUT/gpu_kernel_tests.log" || status=1
 
 if python3 -c "import deepspeed, pydantic" 2>/dev/null; then
-    python3 -m pytest -q -m gpu tests/comm/test_comm_cuda.py tests/checkpoint/test_lazy_engine.py 2>&1 \
+    python3 -m pytest -q -m gpu tests/comm/test_comm_cuda.py tests/checkpoint/test_lazy_engine.py \
+        tests/activations/test_packing_cuda.py 2>&1 \
         | tee "$OUT/gpu_engine_tests.log" || status=1
     python3 benchmarks/bench_optim.py --quick --out "$OUT/bench_optim.json" 2>&1 | tee "$OUT/bench_optim.log" || status=1
+    python3 benchmarks/bench_activations.py --quick --out "$OUT/bench_activations.json" 2>&1 \
+        | tee "$OUT/bench_activations.log" || status=1
     python3 benchmarks/bench_quant.py --quick --out "$OUT/bench_quant.json" 2>&1 | tee "$OUT/bench_quant.log" || status=1
 else
     echo "deepspeed or pydantic not importable: engine tests and benchmarks skipped (carry their wheels in .whl/)" \

@@ -9,8 +9,10 @@ A module's width, first rule that applies wins:
    there is nothing to quantize; the recomputation must see exact inputs);
 2. the first `overrides` pattern (fnmatch on the module name) that matches it;
 3. `attention_bits` for attention modules (the planner does not lower attention either);
-4. the planner's width for its layer (`ActivationPolicy.with_layer_bits`);
-5. `default_bits`.
+4. the planner's width for its layer (`ActivationPolicy.with_layer_bits`), else `default_bits`;
+   norms get at least `norm_bits` (the residual stream they read has outlier channels: at 4 bits
+   the norms gave half the gradient error of the demo model, 0.042 relative, against 0.021 with
+   norms at 8 bits).
 16 means "keep as saved" (the model's own dtype, fp32 or bf16).
 """
 
@@ -121,9 +123,8 @@ class ActivationPolicy:
             return override
         if kind == "attention":
             return self.config.attention_bits
-        if layer is not None and layer in self.layer_bits:
-            return self.layer_bits[layer]
-        return self.config.default_bits
+        bits = self.layer_bits[layer] if layer is not None and layer in self.layer_bits else self.config.default_bits
+        return max(bits, self.config.norm_bits) if kind == "norm" else bits
 
     def override_for(self, name: str) -> int | None:
         for pattern, bits in self.config.overrides.items():

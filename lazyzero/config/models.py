@@ -72,6 +72,9 @@ class ActivationsConfig(ConfigSection):
     attention_bits: Literal[8, 16] = 16
     """Bits for tensors saved by attention, whose softmax is too sensitive for 4 bits."""
 
+    norm_bits: Literal[4, 8, 16] = 8
+    """Fewest bits for tensors saved by norms (their input is the residual stream, whose outlier channels 4-bit blocks handle worst); a wider layer width applies."""
+
     block_size: PowerOfTwo(32, 4096) = 64
     """Elements sharing one scale; smaller blocks follow local magnitudes more closely."""
 

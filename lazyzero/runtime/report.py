@@ -38,7 +38,8 @@ class StepLog:
 
 
 def write_run_report(output_dir: Path, summary: dict, records: list[dict]) -> tuple[Path, Path]:
-    """Write report.json (summary) and report.png (loss and peak memory per step); return both paths."""
+    """Write report.json (summary) and report.png (loss and peak memory per step, and saved-activation
+    bytes per layer when activations are quantized); return both paths."""
     json_path = output_dir / "report.json"
     tmp = json_path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n", encoding="utf-8")
@@ -55,7 +56,11 @@ def _plot_loss_and_memory(records: list[dict], summary: dict, path: Path) -> Non
     import matplotlib.pyplot as plt
 
     steps = [r["step"] for r in records]
-    fig, (ax_loss, ax_mem) = plt.subplots(1, 2, figsize=(11, 4))
+    layers = summary.get("activation_bytes_by_layer")
+    fig, axes = plt.subplots(1, 3 if layers else 2, figsize=(16 if layers else 11, 4))
+    ax_loss, ax_mem = axes[0], axes[1]
+    if layers:
+        _plot_activation_bytes(axes[2], layers)
     ax_loss.plot(steps, [r["loss"] for r in records], lw=1)
     ax_loss.set(xlabel="step", ylabel="training loss", title=_loss_title(summary))
     ax_loss.grid(alpha=0.3)
@@ -68,6 +73,19 @@ def _plot_loss_and_memory(records: list[dict], summary: dict, path: Path) -> Non
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def _plot_activation_bytes(axis, layers: dict) -> None:
+    """Saved-activation bytes per layer in the last step: what autograd would hold and what is stored."""
+    names = list(layers)
+    positions = range(len(names))
+    saved = [layers[name]["saved_bytes"] / 2**20 for name in names]
+    packed = [layers[name]["packed_bytes"] / 2**20 for name in names]
+    axis.bar([x - 0.2 for x in positions], saved, width=0.4, label="unpacked")
+    axis.bar([x + 0.2 for x in positions], packed, width=0.4, label="stored")
+    axis.set_xticks(list(positions), names)
+    axis.set(xlabel="layer", ylabel="MiB (rank 0, last step)", title="saved activations")
+    axis.legend()
 
 
 def _loss_title(summary: dict) -> str:

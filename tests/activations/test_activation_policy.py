@@ -71,11 +71,12 @@ def test_layer_index_from_module_names():
     assert layer_index("model.my_layers.2") is None
 
 
-def test_default_policy_keeps_attention_and_quantizes_the_rest_to_4_bits():
+def test_default_policy_keeps_attention_norms_at_8_bits_and_the_rest_at_4():
     plan = ActivationPolicy(ActivationsConfig()).plan(build_model("tiny", "llama", meta=True))
     bits = {entry.name: entry.bits for entry in plan}
     assert bits["model.layers.0.self_attn"] == 16
-    assert bits["model.layers.0.mlp"] == bits["model.layers.0.input_layernorm"] == bits["model.norm"] == 4
+    assert bits["model.layers.0.input_layernorm"] == bits["model.norm"] == 8
+    assert bits["model.layers.0.mlp"] == 4
     assert bits["model.layers.1"] == 4
     # Building blocks inherit from the module around them, so they are not in the plan.
     assert "model.layers.0.mlp.up_proj" not in bits and "model.embed_tokens" not in bits
@@ -84,7 +85,7 @@ def test_default_policy_keeps_attention_and_quantizes_the_rest_to_4_bits():
 
 def test_rules_apply_in_order_recompute_override_attention_planner_default():
     config = ActivationsConfig(
-        default_bits=4, attention_bits=8, recompute_layers=[2],
+        default_bits=4, attention_bits=8, norm_bits=4, recompute_layers=[2],
         overrides={"model.layers.1.*": 16, "model.layers.*.mlp": 8, "model.layers.2.*": 4},
     )  # fmt: skip
     policy = ActivationPolicy(config).with_layer_bits({0: 16, 3: 8})
@@ -94,8 +95,12 @@ def test_rules_apply_in_order_recompute_override_attention_planner_default():
     assert policy.bits_for("model.layers.0.self_attn", "attention", 0) == 8  # planner leaves attention
     assert policy.bits_for("model.layers.0.input_layernorm", "norm", 0) == 16  # planner
     assert policy.bits_for("model.layers.3.input_layernorm", "norm", 3) == 8  # planner
-    assert policy.bits_for("model.layers.4.input_layernorm", "norm", 4) == 4  # default
+    assert policy.bits_for("model.layers.4.input_layernorm", "norm", 4) == 4  # default (norm_bits 8 by default)
     assert policy.bits_for("model.norm", "norm", None) == 4
+    norms_at_8 = ActivationPolicy(ActivationsConfig(norm_bits=8)).with_layer_bits({0: 16})
+    assert norms_at_8.bits_for("model.layers.1.input_layernorm", "norm", 1) == 8  # norm_bits over default 4
+    assert norms_at_8.bits_for("model.layers.0.input_layernorm", "norm", 0) == 16  # a wider layer width wins
+    assert norms_at_8.bits_for("model.layers.1.mlp", "mlp", 1) == 4  # only norms
 
 
 def test_overrides_make_any_module_set_a_width():

@@ -76,21 +76,24 @@ def expected_bytes(config: ActivationsConfig) -> dict:
       SDPA's output [B,S,H] (o_proj saves a reshaped view of it) and logsumexp [B,heads,S];
     - MLP: its input [B,S,H] (gate and up projections), gate output [B,S,I] (SiLU), SiLU output and
       up output [B,S,I] (their mul), their product [B,S,I] (down projection).
-    With `recompute_elementwise` (rewrites.py) a quantized norm saves only its input [B,S,H], and the
-    MLP's input (the norm's output), SiLU output and product are recipes: counted, 0 bytes after;
-    so is attention's input when attention is quantized no wider than the norm.
+    With `recompute_elementwise` (rewrites.py) a quantized norm saves only its input [B,S,H]; a
+    quantized MLP's SiLU output and product are recipes (counted, 0 bytes after), and so is the input
+    of the MLP or attention (the norm's output) where they are quantized no wider than the norm.
     """
     tokens = BATCH * SEQ
-    rewritten = config.recompute_elementwise and config.default_bits < 16
+    bits = {"norm": max(config.default_bits, config.norm_bits), "mlp": config.default_bits,
+            "attention": config.attention_bits}
+    norm_rewritten = config.recompute_elementwise and bits["norm"] < 16
+    mlp_rewritten = config.recompute_elementwise and bits["mlp"] < 16
     numels = {
-        "norm": [tokens * HIDDEN] * 2 if rewritten else [tokens * HIDDEN, tokens, tokens * HIDDEN] * 2,
+        "norm": [tokens * HIDDEN] * 2 if norm_rewritten else [tokens * HIDDEN, tokens, tokens * HIDDEN] * 2,
         "attention": [tokens * HIDDEN] + [tokens * HEAD_DIM] * 2 + [tokens * HIDDEN] * 4 + [tokens * HEADS],
         "mlp": [tokens * HIDDEN] + [tokens * INTERMEDIATE] * 4,
     }
-    recipes = {"mlp": {0, 2, 4}} if rewritten else {}  # MLP input, SiLU output, product
-    if rewritten and config.attention_bits <= config.default_bits:
-        recipes["attention"] = {0}  # its input: the norm's output, rebuilt from the norm's stored input
-    bits = {"norm": config.default_bits, "mlp": config.default_bits, "attention": config.attention_bits}
+    recipes = {"mlp": {2, 4} if mlp_rewritten else set(), "attention": set()}  # SiLU output, product
+    for kind in ("mlp", "attention"):  # the input: the norm's output, rebuilt from the norm's stored input
+        if norm_rewritten and bits[kind] <= bits["norm"]:
+            recipes[kind].add(0)
     expected = {}
     for kind, sizes in numels.items():
         before = sum(4 * n for n in sizes)  # fp32

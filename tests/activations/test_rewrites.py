@@ -5,7 +5,7 @@ import torch
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm
 
-from lazyzero.activations import ActivationPacker, ActivationPolicy, rewrites
+from lazyzero.activations import ActivationPacker, ActivationPolicy
 from lazyzero.config.models import ActivationsConfig
 
 

@@ -28,6 +28,9 @@ TARGETS = {
     "bench_checkpoint": {"stall_ratio_vs_deepspeed": (">=", 50.0), "e2e_overhead": ("<=", 1.05),
                          "write_bw_ratio": (">=", 0.8)},
     "bench_optim_convergence": {"loss_ratio_stage2": ("<=", 1.02), "loss_ratio_stage3_cpu_offload": ("<=", 1.02)},
+    "bench_activations": {"saved_bytes_ratio": ("<=", 0.30), "peak_mem_ratio": ("<=", 0.50),
+                          "step_time_ratio": ("<=", 1.15)},
+    "bench_activations_convergence": {"loss_ratio": ("<=", 1.03)},
     "bench_optim": {"speed_ratio_vs_ds_cpu_adam": (">=", 1.0), "speed_ratio_vs_torch_adamw": (">=", 3.0),
                     "state_bytes_per_param": ("<=", 2.1), "clip_overhead": ("<=", 1.05)},
 }

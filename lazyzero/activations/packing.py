@@ -51,6 +51,9 @@ class DerivedStorage:
 
     fn: Callable[..., torch.Tensor]
     sources: tuple  # PackedView (stored packed) or torch.Tensor (kept as saved)
+    fn_in_place: Callable[..., torch.Tensor] | None = None
+    """`fn` writing into its first argument: used when that one is rebuilt for this call (not a kept
+    tensor), so that backward holds one buffer less at its peak."""
 
     @property
     def bits(self) -> int:
@@ -58,8 +61,10 @@ class DerivedStorage:
         return min((_stored_bits(source) for source in self.sources), default=KEEP_BITS)
 
     def materialize(self) -> torch.Tensor:
+        fresh_first = bool(self.sources) and isinstance(self.sources[0], PackedView)
+        fn = self.fn_in_place if self.fn_in_place is not None and fresh_first else self.fn
         with torch.no_grad():
-            return self.fn(*(unpack_saved(source) for source in self.sources)).reshape(-1)
+            return fn(*(unpack_saved(source) for source in self.sources)).reshape(-1)
 
 
 @dataclass(frozen=True)
@@ -176,8 +181,10 @@ class ActivationPacker:
         """Inside `with packer:` with autograd recording (the only time tensors get saved)."""
         return bool(self._active) and torch.is_grad_enabled()
 
-    def derive(self, output: torch.Tensor, fn: Callable[..., torch.Tensor], *sources: torch.Tensor) -> None:
-        """Record that `output` equals `fn(*sources)`; a later save of it stores only this recipe.
+    def derive(self, output: torch.Tensor, fn: Callable[..., torch.Tensor], *sources: torch.Tensor,
+               fn_in_place: Callable[..., torch.Tensor] | None = None) -> None:
+        """Record that `output` equals `fn(*sources)`; a later save of it stores only this recipe
+        (`fn_in_place`: the same result written into the first source, see `DerivedStorage`).
 
         Every source must already be stored in this forward pass (saved by an earlier operation),
         else nothing is recorded and `output` is packed as usual when saved. `fn` must rebuild
@@ -188,7 +195,7 @@ class ActivationPacker:
         forms = [self._stored_form(source) for source in sources]
         if any(form is None for form in forms):
             return
-        self._stored_for(output).derived = DerivedStorage(fn, tuple(forms))
+        self._stored_for(output).derived = DerivedStorage(fn, tuple(forms), fn_in_place)
 
     def _stored_form(self, tensor: torch.Tensor):
         """What backward will hold for `tensor`: itself when kept, a PackedView of it, or None if unsaved."""

@@ -8,7 +8,8 @@ recomputing the rest in backward costs a few elementwise passes and no matmul:
   normalized input (6 bytes per element in a bf16 model). `recompute_from_input` makes the norm
   save only its input, packed at the norm's width, and rerun the norm in backward from it. Its
   output is a recipe over that input too, which a quantized consumer (the MLP's projections) uses
-  instead of storing it again; a 16-bit consumer (attention) still keeps the exact output.
+  instead of storing it again; a 16-bit consumer (attention) still keeps the exact output. (Not
+  where ZeRO-3 partitions the norm's weight, gathered only for the norm's own passes.)
 - **Gated MLPs** (Llama, Qwen2, Mistral: `down(act(gate(x)) * up(x))`): the activation output and
   the product are recipes over the stored gate and up outputs (`ActivationPacker.derive`), so the
   MLP stores x, gate(x) and up(x) instead of those plus act(gate) and the product.
@@ -19,14 +20,26 @@ tensors, and a recomputed layer (16 bits by the policy) is left to torch's check
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
 GATED_MLP_PARTS = ("gate_proj", "up_proj", "down_proj", "act_fn")
 
 
+# Rows (positions) per piece of a norm's backward: HF's RMSNorm differentiated by autograd holds
+# several fp32 copies of its input at once, which at long sequences set the step's peak memory.
+BACKWARD_PIECE_ELEMENTS = 1 << 20
+
+
 class _RecomputeFromInput(torch.autograd.Function):
-    """y = run(x) saving only x; backward reruns `run` on the stored x and differentiates it."""
+    """y = run(x) saving only x; backward reruns `run` on the stored x and differentiates it.
+
+    `run` must treat each position (each row of x's last dimension) on its own, as norms do: backward
+    reruns and differentiates it a piece of rows at a time (`BACKWARD_PIECE_ELEMENTS`), which bounds
+    its temporaries; parameter gradients are summed over the pieces in fp32.
+    """
 
     @staticmethod
     def forward(ctx, run, x, *params):
@@ -38,14 +51,36 @@ class _RecomputeFromInput(torch.autograd.Function):
     def backward(ctx, grad_output):
         (stored_x,) = ctx.saved_tensors
         wants_x, wants_params = ctx.needs_input_grad[1], ctx.needs_input_grad[2:]
-        # The rerun's own saved tensors stay local to this backward: never packed again.
-        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_keep, _keep):
-            x = stored_x.detach().requires_grad_(wants_x)
-            output = ctx.run(x)
-        inputs = ([x] if wants_x else []) + [p for p, wanted in zip(ctx.params, wants_params) if wanted]
-        grads = iter(torch.autograd.grad(output, inputs, grad_output, allow_unused=True) if inputs else ())
-        grad_x = next(grads) if wants_x else None
-        return (None, grad_x, *(next(grads) if wanted else None for wanted in wants_params))
+        params = [p for p, wanted in zip(ctx.params, wants_params) if wanted]
+        rows_x = stored_x.reshape(-1, stored_x.shape[-1]) if stored_x.dim() > 1 else stored_x.reshape(1, -1)
+        rows_grad = grad_output.reshape(rows_x.shape[0], -1)
+        rows_per_piece = max(1, BACKWARD_PIECE_ELEMENTS // max(1, rows_x.shape[1]))
+        grad_x = torch.empty_like(rows_x) if wants_x else None
+        param_sums = [None] * len(params)
+        for start in range(0, rows_x.shape[0], rows_per_piece):
+            piece = slice(start, start + rows_per_piece)
+            grads = _rerun_and_differentiate(ctx.run, rows_x[piece], rows_grad[piece], wants_x, params)
+            if wants_x:
+                grad_x[piece] = grads.pop(0)
+            for index, grad in enumerate(grads):
+                if grad is not None:
+                    total = param_sums[index]
+                    param_sums[index] = grad.float() if total is None else total + grad.float()
+        param_grads = iter(None if total is None else total.to(p.dtype) for total, p in zip(param_sums, params))
+        grad_x = grad_x.reshape(stored_x.shape) if wants_x else None
+        return (None, grad_x, *(next(param_grads) if wanted else None for wanted in wants_params))
+
+
+def _rerun_and_differentiate(run, x_rows, grad_rows, wants_x: bool, params: list) -> list:
+    """Gradients of `run` on some rows of its input: [grad x (if wanted), grad of each of `params`]."""
+    # The rerun's own saved tensors stay local to this backward: never packed again.
+    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_keep, _keep):
+        x = x_rows.detach().requires_grad_(wants_x)
+        output = run(x)
+    inputs = ([x] if wants_x else []) + params
+    if not inputs:
+        return []
+    return list(torch.autograd.grad(output, inputs, grad_rows.reshape(output.shape), allow_unused=True))
 
 
 def _keep(tensor):
@@ -65,10 +100,19 @@ def recompute_from_input(module: nn.Module, packer) -> None:
         if not (torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in module.parameters()))):
             return original(x)
         output = _RecomputeFromInput.apply(original, x, *module.parameters())
-        packer.derive(output, original, x)
+        if not _zero3_partitioned(module):
+            packer.derive(output, original, x)
         return output
 
     module.forward = forward
+
+
+def _zero3_partitioned(module: nn.Module) -> bool:
+    """Whether ZeRO-3 partitions the module's parameters (below `stage3_param_persistence_threshold`
+    it keeps them whole: `ds_persist`). Partitioned ones are gathered only around the module's own
+    forward and backward, and a recipe replayed in a consumer's backward (the MLP's, which runs
+    before the norm's) could find them released: the output is stored instead."""
+    return any(hasattr(param, "ds_id") and not getattr(param, "ds_persist", False) for param in module.parameters())
 
 
 def is_gated_mlp(module: nn.Module) -> bool:
@@ -79,13 +123,20 @@ def derive_gated_product(module: nn.Module, packer) -> None:
     """Run the gated MLP as `down(act(gate(x)) * up(x))` (the same operations in the same order as
     transformers' forward), telling `packer` that act(gate) and the product are recomputable."""
 
+    silu = isinstance(module.act_fn, nn.SiLU) or type(module.act_fn).__name__ == "SiLUActivation"
+    activation_in_place = functools.partial(nn.functional.silu, inplace=True) if silu else None
+
     def forward(x):
+        # Each intermediate is dropped as soon as it is used: autograd holds only the stored forms,
+        # so the MLP's forward peaks at 3 intermediates instead of transformers' 4.
         gate = module.gate_proj(x)
         activated = module.act_fn(gate)
-        packer.derive(activated, module.act_fn, gate)
+        packer.derive(activated, module.act_fn, gate, fn_in_place=activation_in_place)
+        del gate
         up = module.up_proj(x)
         product = activated * up
-        packer.derive(product, torch.mul, activated, up)
+        packer.derive(product, torch.mul, activated, up, fn_in_place=torch.Tensor.mul_)
+        del activated, up
         return module.down_proj(product)
 
     module.forward = forward

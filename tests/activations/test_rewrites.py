@@ -7,6 +7,9 @@ from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm
 
 from lazyzero.activations import ActivationPacker, ActivationPolicy
 from lazyzero.config.models import ActivationsConfig
+from lazyzero.models.build import build_model
+from lazyzero.models.config import FAMILIES
+from lazyzero.testing import TOLERANCES
 
 
 class Holder(torch.nn.Module):
@@ -97,3 +100,28 @@ def test_tensors_with_infinities_are_kept_exact():
     assert torch.equal(x.grad[torch.arange(512) != 7], masked.detach()[torch.arange(512) != 7])
     kept = [cell for cell in packer.accounting.by_kind().values()]
     assert sum(cell.after for cell in kept) > sum(cell.before for cell in kept) / 2  # the -inf one kept
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_family_trains_with_the_default_policy(family):
+    """The tiny preset of each supported family: gradients with the default policy (rewrites on where
+    the family has gated MLPs and RMSNorms) stay within the int4 bound of the exact ones."""
+    model = build_model("tiny", family, seed=0).train()
+    ids = torch.randint(0, model.config.vocab_size, (2, 64), generator=torch.Generator().manual_seed(0))
+
+    def gradients(packer):
+        model.zero_grad()
+        with packer if packer else torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        return {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+
+    exact = gradients(None)
+    packer = ActivationPacker(model, ActivationPolicy(ActivationsConfig()))
+    found = gradients(packer)
+    packer.remove()
+    assert found.keys() == exact.keys()
+    assert packer.accounting.total().after < packer.accounting.total().before / 2
+    for name, grad in found.items():
+        cosine = torch.nn.functional.cosine_similarity(grad.flatten(), exact[name].flatten(), dim=0).item()
+        assert cosine >= TOLERANCES["activations_int4_grad_cosine"], (name, cosine)

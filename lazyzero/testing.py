@@ -64,11 +64,17 @@ TOLERANCES = {
     # ~0.02 for the heavier-tailed MLP products) and 329 = (127 / 7)**2 times less for int8. A
     # weight gradient in a Llama layer multiplies at most two packed factors (up_proj: its input and
     # silu(gate)), so the cosine is about 1 / sqrt(1 + 0.03) = 0.985 for int4. int8: the bound;
-    # measured 0.9999 (all-8 policy, 5 seeds). int4: measured 0.983-0.985 (default policy, 5 seeds);
+    # measured 0.9999 (all-8 policy, 5 seeds). int4: measured 0.983-0.985 (4-bit packing only, 5
+    # seeds), 0.989 with the default policy (norms at 8 bits, recipes; seed 0);
     # the bound allows twice the modelled noise, 1 / sqrt(1 + 0.06) = 0.97. Unpacking the wrong
     # storage or geometry gives cosines near 0.
     "activations_int8_grad_cosine": 0.99,
     "activations_int4_grad_cosine": 0.97,
+    # Planner (tests/planner): MILP objective against brute force, and its predicted step time
+    # against the simulator replaying its schedule. CBC meets constraints to about 1e-7 of the
+    # (GB, second) scaled rows; a mis-modelled window or byte count is off by percents.
+    "planner_objective": 1e-6,
+    "planner_step_time": 1e-6,
 }
 
 

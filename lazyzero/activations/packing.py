@@ -39,65 +39,11 @@ from typing import Callable
 import torch
 from torch import nn
 
-from lazyzero.activations.accounting import ActivationAccounting
 from lazyzero.activations import rewrites
+from lazyzero.activations.accounting import ActivationAccounting
 from lazyzero.activations.policy import KEEP_BITS, ActivationPolicy, ModuleBits
-from lazyzero.ops.quant import SUPPORTED_DTYPES, BlockQuantized, dequantize_blockwise, quantize_blockwise
-
-
-@dataclass(frozen=True)
-class DerivedStorage:
-    """A contiguous storage that backward recomputes as `fn(*sources)` instead of storing it."""
-
-    fn: Callable[..., torch.Tensor]
-    sources: tuple  # PackedView (stored packed) or torch.Tensor (kept as saved)
-    fn_in_place: Callable[..., torch.Tensor] | None = None
-    """`fn` writing into its first argument: used when that one is rebuilt for this call (not a kept
-    tensor), so that backward holds one buffer less at its peak."""
-
-    @property
-    def bits(self) -> int:
-        """The narrowest width among the sources: the precision the recipe rebuilds at."""
-        return min((_stored_bits(source) for source in self.sources), default=KEEP_BITS)
-
-    def materialize(self) -> torch.Tensor:
-        fresh_first = bool(self.sources) and isinstance(self.sources[0], PackedView)
-        fn = self.fn_in_place if self.fn_in_place is not None and fresh_first else self.fn
-        with torch.no_grad():
-            return fn(*(unpack_saved(source) for source in self.sources)).reshape(-1)
-
-
-@dataclass(frozen=True)
-class PackedView:
-    """What autograd holds instead of a saved tensor: its storage, packed (or derived), and its
-    geometry in it."""
-
-    storage: BlockQuantized | DerivedStorage
-    shape: torch.Size
-    stride: tuple[int, ...]
-    storage_offset: int
-
-    def unpack(self) -> torch.Tensor:
-        if isinstance(self.storage, DerivedStorage):
-            flat = self.storage.materialize()
-        else:
-            flat = dequantize_blockwise(self.storage)
-        return flat.as_strided(self.shape, self.stride, self.storage_offset)
-
-    @classmethod
-    def of(cls, storage: BlockQuantized | DerivedStorage, tensor: torch.Tensor) -> PackedView:
-        return cls(storage, tensor.shape, tensor.stride(), tensor.storage_offset())
-
-
-def _stored_bits(saved) -> int:
-    if not isinstance(saved, PackedView):
-        return KEEP_BITS
-    return saved.storage.bits
-
-
-def unpack_saved(saved) -> torch.Tensor:
-    """The tensor behind what the pack hook returned (a PackedView, or the tensor itself)."""
-    return saved.unpack() if isinstance(saved, PackedView) else saved
+from lazyzero.activations.stored import DerivedStorage, PackedView, unpack_saved
+from lazyzero.ops.quant import SUPPORTED_DTYPES, BlockQuantized, quantize_blockwise
 
 
 @dataclass
@@ -180,6 +126,12 @@ class ActivationPacker:
     def active(self) -> bool:
         """Inside `with packer:` with autograd recording (the only time tensors get saved)."""
         return bool(self._active) and torch.is_grad_enabled()
+
+    def store(self, tensor: torch.Tensor):
+        """What the pack hook would give autograd for `tensor` (the tensor itself outside `with
+        packer:`), for a backward function that keeps it on its ctx: unpack it with `unpack_saved`;
+        a PackedView unpacks to a buffer of its own, which that function may overwrite."""
+        return self._pack(tensor) if self.active else tensor
 
     def derive(self, output: torch.Tensor, fn: Callable[..., torch.Tensor], *sources: torch.Tensor,
                fn_in_place: Callable[..., torch.Tensor] | None = None) -> None:

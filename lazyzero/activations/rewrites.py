@@ -10,8 +10,8 @@ recomputing the rest in backward costs a few elementwise passes and no matmul:
   output is a recipe over that input too, which a quantized consumer (the MLP's projections) uses
   instead of storing it again; a 16-bit consumer (attention) still keeps the exact output. (Not
   where ZeRO-3 partitions the norm's weight, gathered only for the norm's own passes.)
-- **Gated MLPs** (Llama, Qwen2, Mistral: `down(act(gate(x)) * up(x))`): the activation output and
-  the product are recipes over the stored gate and up outputs (`ActivationPacker.derive`), so the
+- **Gated MLPs** (Llama, Qwen2, Mistral: `down(act(gate(x)) * up(x))`): the product is a recipe
+  over the stored gate and up outputs (`ActivationPacker.derive`) and act(gate) is not kept, so the
   MLP stores x, gate(x) and up(x) instead of those plus act(gate) and the product.
 
 Only modules whose width is below 16 bits are rewritten: a 16-bit module keeps its exact saved
@@ -20,10 +20,10 @@ tensors, and a recomputed layer (16 bits by the policy) is left to torch's check
 
 from __future__ import annotations
 
-import functools
-
 import torch
 from torch import nn
+
+from lazyzero.activations.stored import PackedView, unpack_saved
 
 GATED_MLP_PARTS = ("gate_proj", "up_proj", "down_proj", "act_fn")
 
@@ -119,24 +119,63 @@ def is_gated_mlp(module: nn.Module) -> bool:
     return all(hasattr(module, part) for part in GATED_MLP_PARTS)
 
 
-def derive_gated_product(module: nn.Module, packer) -> None:
-    """Run the gated MLP as `down(act(gate(x)) * up(x))` (the same operations in the same order as
-    transformers' forward), telling `packer` that act(gate) and the product are recomputable."""
+class _SiluProduct(torch.autograd.Function):
+    """silu(gate) * up keeping only gate and up (autograd would also keep silu(gate)); backward
+    computes both gradients with two buffers fewer than autograd's mul and silu backward.
 
-    silu = isinstance(module.act_fn, nn.SiLU) or type(module.act_fn).__name__ == "SiLUActivation"
-    activation_in_place = functools.partial(nn.functional.silu, inplace=True) if silu else None
+    gate and up come stored by `packer.store` (called by the caller: inside `forward` autograd is
+    off) and stay on the ctx rather than in `save_for_backward`, so that backward knows which of
+    them it rebuilds into a buffer of its own and may overwrite.
+    """
+
+    @staticmethod
+    def forward(ctx, gate, up, stored):
+        ctx.stored = stored
+        return silu_product(gate, up)
+
+    @staticmethod
+    def backward(ctx, grad):
+        gate_form, up_form = ctx.stored
+        ctx.stored = None
+        gate, up = unpack_saved(gate_form), unpack_saved(up_form)
+        grad_up = nn.functional.silu(gate).mul_(grad)
+        grad_gate = up.mul_(grad) if isinstance(up_form, PackedView) else up * grad
+        del up
+        # silu's derivative written over its input gradient (elementwise, so aliasing is exact).
+        torch.ops.aten.silu_backward.grad_input(grad_gate, gate, grad_input=grad_gate)
+        return grad_gate, grad_up, None
+
+
+def silu_product(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up into one new buffer (the same values as transformers' `act_fn(gate) * up`)."""
+    return nn.functional.silu(gate).mul_(up)
+
+
+def is_silu(module: nn.Module) -> bool:
+    return isinstance(module, nn.SiLU) or type(module).__name__ == "SiLUActivation"
+
+
+def derive_gated_product(module: nn.Module, packer) -> None:
+    """Run the gated MLP `down(act(gate(x)) * up(x))` so that it stores only x, gate(x) and up(x):
+    the product is a recipe over gate and up (`packer.derive`). With SiLU (Llama, Qwen2, Mistral)
+    the product is one autograd node (`_SiluProduct`) that does not keep silu(gate) either; other
+    activations keep autograd's nodes, their output a recipe too. Each intermediate is dropped as
+    soon as it is used: autograd holds only the stored forms."""
+    silu = is_silu(module.act_fn)
 
     def forward(x):
-        # Each intermediate is dropped as soon as it is used: autograd holds only the stored forms,
-        # so the MLP's forward peaks at 3 intermediates instead of transformers' 4.
         gate = module.gate_proj(x)
-        activated = module.act_fn(gate)
-        packer.derive(activated, module.act_fn, gate, fn_in_place=activation_in_place)
-        del gate
         up = module.up_proj(x)
-        product = activated * up
-        packer.derive(product, torch.mul, activated, up, fn_in_place=torch.Tensor.mul_)
-        del activated, up
+        if silu:
+            product = _SiluProduct.apply(gate, up, (packer.store(gate), packer.store(up)))
+            packer.derive(product, silu_product, gate, up)
+        else:
+            activated = module.act_fn(gate)
+            packer.derive(activated, module.act_fn, gate)
+            product = activated * up
+            packer.derive(product, torch.mul, activated, up, fn_in_place=torch.Tensor.mul_)
+            del activated
+        del gate, up
         return module.down_proj(product)
 
     module.forward = forward

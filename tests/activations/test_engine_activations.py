@@ -62,7 +62,9 @@ def check_layout(ranks: list[dict], layout: str) -> None:
             # Layer 0 is recomputed: it keeps only its input, unpacked, for the recompute.
             assert rows["0"]["packed_bytes"] == rows["0"]["saved_bytes"]
             assert rows["0"]["saved_bytes"] < rows["1"]["saved_bytes"] / 4
-        assert rows["1"]["packed_bytes"] < rows["1"]["saved_bytes"] / 2
+        # tiny's attention, kept at 16 bits, is about 45% of what layer 1 saves (55% under ZeRO-3,
+        # whose linear function keeps its own copy of each projection's input); the rest is packed.
+        assert rows["1"]["packed_bytes"] < 0.7 * rows["1"]["saved_bytes"]
 
 
 @pytest.mark.parametrize("layout", DEFAULT_LAYOUTS)

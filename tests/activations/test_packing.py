@@ -77,8 +77,9 @@ def expected_bytes(config: ActivationsConfig) -> dict:
     - MLP: its input [B,S,H] (gate and up projections), gate output [B,S,I] (SiLU), SiLU output and
       up output [B,S,I] (their mul), their product [B,S,I] (down projection).
     With `recompute_elementwise` (rewrites.py) a quantized norm saves only its input [B,S,H]; a
-    quantized MLP's SiLU output and product are recipes (counted, 0 bytes after), and so is the input
-    of the MLP or attention (the norm's output) where they are quantized no wider than the norm.
+    quantized MLP does not keep the SiLU output and its product is a recipe (counted, 0 bytes after),
+    and so is the input of the MLP or attention (the norm's output) where they are quantized no
+    wider than the norm.
     """
     tokens = BATCH * SEQ
     bits = {"norm": max(config.default_bits, config.norm_bits), "mlp": config.default_bits,
@@ -88,9 +89,10 @@ def expected_bytes(config: ActivationsConfig) -> dict:
     numels = {
         "norm": [tokens * HIDDEN] * 2 if norm_rewritten else [tokens * HIDDEN, tokens, tokens * HIDDEN] * 2,
         "attention": [tokens * HIDDEN] + [tokens * HEAD_DIM] * 2 + [tokens * HIDDEN] * 4 + [tokens * HEADS],
-        "mlp": [tokens * HIDDEN] + [tokens * INTERMEDIATE] * 4,
+        # rewritten: input, gate, up, product (the SiLU output is not saved at all)
+        "mlp": [tokens * HIDDEN] + [tokens * INTERMEDIATE] * (3 if mlp_rewritten else 4),
     }
-    recipes = {"mlp": {2, 4} if mlp_rewritten else set(), "attention": set()}  # SiLU output, product
+    recipes = {"mlp": {3} if mlp_rewritten else set(), "attention": set()}  # the product
     for kind in ("mlp", "attention"):  # the input: the norm's output, rebuilt from the norm's stored input
         if norm_rewritten and bits[kind] <= bits["norm"]:
             recipes[kind].add(0)

@@ -1,0 +1,71 @@
+"""What autograd holds for a saved tensor once the packer has stored it (lazyzero/activations/packing.py).
+
+A `PackedView` is the tensor's geometry inside its storage, and the storage's stored form: block-wise
+quantized (`BlockQuantized`) or a `DerivedStorage` recipe that rebuilds it from other stored tensors.
+`unpack_saved` turns any of them (or a tensor kept as saved) back into a tensor.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from lazyzero.activations.policy import KEEP_BITS
+from lazyzero.ops.quant import BlockQuantized, dequantize_blockwise
+
+
+@dataclass(frozen=True)
+class DerivedStorage:
+    """A contiguous storage that backward recomputes as `fn(*sources)` instead of storing it."""
+
+    fn: Callable[..., torch.Tensor]
+    sources: tuple  # PackedView (stored packed) or torch.Tensor (kept as saved)
+    fn_in_place: Callable[..., torch.Tensor] | None = None
+    """`fn` writing into its first argument: used when that one is rebuilt for this call (not a kept
+    tensor), so that backward holds one buffer less at its peak."""
+
+    @property
+    def bits(self) -> int:
+        """The narrowest width among the sources: the precision the recipe rebuilds at."""
+        return min((_stored_bits(source) for source in self.sources), default=KEEP_BITS)
+
+    def materialize(self) -> torch.Tensor:
+        fresh_first = bool(self.sources) and isinstance(self.sources[0], PackedView)
+        fn = self.fn_in_place if self.fn_in_place is not None and fresh_first else self.fn
+        with torch.no_grad():
+            return fn(*(unpack_saved(source) for source in self.sources)).reshape(-1)
+
+
+@dataclass(frozen=True)
+class PackedView:
+    """What autograd holds instead of a saved tensor: its storage, packed (or derived), and its
+    geometry in it."""
+
+    storage: BlockQuantized | DerivedStorage
+    shape: torch.Size
+    stride: tuple[int, ...]
+    storage_offset: int
+
+    def unpack(self) -> torch.Tensor:
+        if isinstance(self.storage, DerivedStorage):
+            flat = self.storage.materialize()
+        else:
+            flat = dequantize_blockwise(self.storage)
+        return flat.as_strided(self.shape, self.stride, self.storage_offset)
+
+    @classmethod
+    def of(cls, storage: BlockQuantized | DerivedStorage, tensor: torch.Tensor) -> PackedView:
+        return cls(storage, tensor.shape, tensor.stride(), tensor.storage_offset())
+
+
+def _stored_bits(saved) -> int:
+    if not isinstance(saved, PackedView):
+        return KEEP_BITS
+    return saved.storage.bits
+
+
+def unpack_saved(saved) -> torch.Tensor:
+    """The tensor behind what the pack hook returned (a PackedView, or the tensor itself)."""
+    return saved.unpack() if isinstance(saved, PackedView) else saved

@@ -355,6 +355,11 @@ class Plan:
         return cls(**data)
 
 
+def _shortfall(need: int, capacity: int) -> str:
+    return (f"{need / 1e9:.2f} GB ({need} bytes), capacity {capacity / 1e9:.2f} GB: "
+            f"short by {(need - capacity) / 1e9:.2f} GB")
+
+
 def budget_shortfalls(problem: PlanProblem) -> PlanInfeasible:
     """Explain why no plan exists, from lower bounds on what each tier must hold."""
     machine, layers = problem.machine, problem.layers
@@ -362,14 +367,13 @@ def budget_shortfalls(problem: PlanProblem) -> PlanInfeasible:
     gpu_cap = machine.tiers["gpu"].capacity_bytes
     if device_floor > gpu_cap:
         return PlanInfeasible(f"gpu budget too small: the workspace and one layer's gradients need "
-                              f"{device_floor} bytes, capacity {gpu_cap}", ("gpu",))
+                              f"{_shortfall(device_floor, gpu_cap)}", ("gpu",))
     smallest_state = [c.state_bytes(problem.allow_8bit_optimizer) for c in layers]
     total_floor = (problem.workspace_bytes + sum(c.param_bytes + c.grad_bytes for c in layers)
                    + sum(smallest_state))
     total_cap = sum(t.capacity_bytes for t in machine.tiers.values())
     if total_floor > total_cap:
         return PlanInfeasible(f"all tiers together too small: parameters, gradients, smallest optimizer "
-                              f"states and workspace need {total_floor} bytes, capacities sum to {total_cap}",
-                              tuple(machine.tiers))
+                              f"states and workspace need {_shortfall(total_floor, total_cap)}", tuple(machine.tiers))
     return PlanInfeasible(f"the budgets of {sorted(machine.tiers)} together admit no plan "
                           "(no single tier's lower bound is exceeded)", tuple(machine.tiers))

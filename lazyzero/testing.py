@@ -84,6 +84,12 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, kind: str) -> Non
     torch.testing.assert_close(actual, expected, equal_nan=True, **tol)
 
 
+def cosines_by_name(found: dict, expected: dict) -> dict[str, float]:
+    """Cosine similarity of `found[name]` and `expected[name]` (flattened) for every name of `expected`."""
+    return {name: torch.nn.functional.cosine_similarity(found[name].flatten(), reference.flatten(), dim=0).item()
+            for name, reference in expected.items()}
+
+
 def free_port() -> int:
     """A TCP port that is free right now on localhost, for a test's rendezvous."""
     import socket

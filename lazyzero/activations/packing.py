@@ -102,7 +102,7 @@ class ActivationPacker:
         return rewritten
 
     def __enter__(self) -> ActivationPacker:
-        hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, unpack_saved)
         hooks.__enter__()
         self._active.append(hooks)
         return self
@@ -151,9 +151,8 @@ class ActivationPacker:
 
     def _stored_form(self, tensor: torch.Tensor):
         """What backward will hold for `tensor`: itself when kept, a PackedView of it, or None if unsaved."""
-        root = tensor if tensor._base is None else tensor._base
-        stored = self._stored.get(id(root))
-        if stored is None or stored.root() is not root or stored.version != root._version:
+        stored = self._current(_root(tensor))
+        if stored is None:
             return None
         if KEEP_BITS in stored.forms:
             return tensor
@@ -177,7 +176,7 @@ class ActivationPacker:
         bits = entry.bits if entry else KEEP_BITS
         if not self._packable(tensor):
             bits = KEEP_BITS
-        root = tensor if tensor._base is None else tensor._base
+        root = _root(tensor)
         stored = self._stored_for(root)
         if KEEP_BITS in stored.forms:
             return tensor
@@ -196,23 +195,26 @@ class ActivationPacker:
             return tensor
         return PackedView.of(packed, tensor)
 
-    @staticmethod
-    def _unpack(packed):
-        return unpack_saved(packed)
-
     def _packable(self, tensor: torch.Tensor) -> bool:
-        root = tensor if tensor._base is None else tensor._base
         return (
             tensor.dtype in SUPPORTED_DTYPES
-            and tensor.dtype == root.dtype
+            and tensor.dtype == _root(tensor).dtype
             and tensor.numel() >= self.policy.config.block_size
         )
 
-    def _stored_for(self, root: torch.Tensor) -> _StoredStorage:
-        key = id(root)
-        stored = self._stored.get(key)
-        # A root changed in place since its first save holds other values: store it anew.
+    def _current(self, root: torch.Tensor) -> _StoredStorage | None:
+        """`root`'s entry of this forward pass, or None. A root changed in place since its first
+        save holds other values, and a dead root's id may belong to another tensor: neither counts."""
+        stored = self._stored.get(id(root))
         if stored is None or stored.root() is not root or stored.version != root._version:
+            return None
+        return stored
+
+    def _stored_for(self, root: torch.Tensor) -> _StoredStorage:
+        """`root`'s current entry, a new one when it has none (see `_current`)."""
+        stored = self._current(root)
+        if stored is None:
+            key = id(root)
             stored = _StoredStorage(weakref.ref(root, functools.partial(self._forget, key)), root._version)
             self._stored[key] = stored
         return stored
@@ -245,13 +247,18 @@ class ActivationPacker:
         return packed
 
 
+def _root(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor owning `tensor`'s storage (itself unless it is a view)."""
+    return tensor if tensor._base is None else tensor._base
+
+
 def _aliases_parameter(tensor: torch.Tensor, module: nn.Module | None) -> bool:
     """Whether `tensor` is a parameter, a view of one, or shares storage with one of `module`'s.
 
     The storage test catches frozen parameters and ZeRO-3's gathered ones (swapped in as `.data`
     just before the module runs, which is why it is done at save time and not ahead).
     """
-    root = tensor if tensor._base is None else tensor._base
+    root = _root(tensor)
     if isinstance(root, nn.Parameter) or (root.is_leaf and root.requires_grad):
         return True
     if module is None:

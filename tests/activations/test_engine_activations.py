@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from lazyzero.models.build import build_model
-from lazyzero.testing import run_distributed
+from lazyzero.testing import cosines_by_name, run_distributed
 
 WORKER = Path(__file__).resolve().parents[1] / "workers" / "activations_worker.py"
 DEFAULT_LAYOUTS = ["0", "3+recompute"]
@@ -27,8 +27,8 @@ LATER_LOSS_RELATIVE_DIFFERENCE = 1e-2
 def update_cosines(on: dict, off: dict) -> dict:
     """Per parameter: cosine between the 3-step updates (from the shared initialization) on and off."""
     initial = {name: p.detach().flatten() for name, p in build_model("tiny", seed=0).named_parameters()}
-    return {name: torch.nn.functional.cosine_similarity(torch.tensor(on[name]) - start, torch.tensor(off[name]) - start,
-                                                        dim=0).item() for name, start in initial.items()}
+    return cosines_by_name({name: torch.tensor(on[name]) - start for name, start in initial.items()},
+                           {name: torch.tensor(off[name]) - start for name, start in initial.items()})
 
 
 def run_layouts(out: Path, layouts: list[str]) -> list[dict]:

@@ -12,7 +12,7 @@ from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRot
 from lazyzero.activations import ActivationPacker, ActivationPolicy
 from lazyzero.activations import packing as packing_module
 from lazyzero.config.models import ActivationsConfig
-from lazyzero.testing import TOLERANCES
+from lazyzero.testing import TOLERANCES, cosines_by_name
 
 BATCH, SEQ, HIDDEN, HEADS, INTERMEDIATE = 2, 32, 64, 4, 172
 HEAD_DIM = HIDDEN // HEADS
@@ -120,16 +120,11 @@ def test_bytes_saved_per_layer_match_the_analytic_count(policy):
     assert (layer[0].before, layer[0].after) == (accounting.total().before, accounting.total().after)
 
 
-def cosines(found: dict, expected: dict) -> dict:
-    return {name: torch.nn.functional.cosine_similarity(found[name].flatten(), expected[name].flatten(), dim=0).item()
-            for name in expected}
-
-
 @pytest.mark.parametrize("policy, bound", [("all-8", "activations_int8_grad_cosine"),
                                            ("default", "activations_int4_grad_cosine")])
 def test_gradients_with_packed_activations_stay_close_to_exact(exact_gradients, policy, bound):
     grads, _ = layer_gradients(OneLayerModel(seed=0), POLICIES[policy])
-    found = cosines(grads, exact_gradients)
+    found = cosines_by_name(grads, exact_gradients)
     assert min(found.values()) >= TOLERANCES[bound], found
     # The quantization error is real: an unquantized run would give cosines of exactly 1.
     assert min(found.values()) < 1 - 1e-6

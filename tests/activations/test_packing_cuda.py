@@ -12,7 +12,7 @@ from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRot
 
 from lazyzero.activations import ActivationPacker, ActivationPolicy
 from lazyzero.config.models import ActivationsConfig
-from lazyzero.testing import TOLERANCES
+from lazyzero.testing import TOLERANCES, cosines_by_name
 
 pytestmark = pytest.mark.gpu
 BATCH, SEQ, HIDDEN = 2, 128, 256
@@ -55,6 +55,5 @@ def test_packing_on_cuda_stores_what_the_cpu_stores_and_keeps_gradients_close(po
     grads, by_kind = run("cuda", config)
     _, cpu_by_kind = run("cpu", config)
     assert by_kind == cpu_by_kind
-    for name, grad in grads.items():
-        cosine = torch.nn.functional.cosine_similarity(grad.flatten(), exact[name].flatten(), dim=0).item()
+    for name, cosine in cosines_by_name(grads, exact).items():
         assert cosine >= TOLERANCES[bound], (name, cosine)

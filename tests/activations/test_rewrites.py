@@ -9,7 +9,7 @@ from lazyzero.activations import ActivationPacker, ActivationPolicy
 from lazyzero.config.models import ActivationsConfig
 from lazyzero.models.build import build_model
 from lazyzero.models.config import FAMILIES
-from lazyzero.testing import TOLERANCES
+from lazyzero.testing import TOLERANCES, cosines_by_name
 
 
 class Holder(torch.nn.Module):
@@ -122,6 +122,5 @@ def test_every_family_trains_with_the_default_policy(family):
     packer.remove()
     assert found.keys() == exact.keys()
     assert packer.accounting.total().after < packer.accounting.total().before / 2
-    for name, grad in found.items():
-        cosine = torch.nn.functional.cosine_similarity(grad.flatten(), exact[name].flatten(), dim=0).item()
+    for name, cosine in cosines_by_name(found, exact).items():
         assert cosine >= TOLERANCES["activations_int4_grad_cosine"], (name, cosine)

@@ -12,6 +12,7 @@ import json
 import sys
 from pathlib import Path
 
+import deepspeed
 import torch
 import torch.distributed as dist
 
@@ -57,20 +58,11 @@ def train(layout: str, quantized: bool) -> dict:
         losses.append(loss.item())
         metrics.append(engine.lazyzero_step_metrics())
     report = engine.lazyzero_report()
-    with whole_parameters(engine, list(engine.module.parameters())):
+    with deepspeed.zero.GatheredParameters(list(engine.module.parameters()), modifier_rank=None,
+                                           enabled=engine.zero_optimization_stage() == 3):
         values = {name: p.detach().float().flatten().tolist() for name, p in engine.module.named_parameters()}
     destroy_engine(engine)
     return {"losses": losses, "metrics": metrics, "report": report, "params": values}
-
-
-def whole_parameters(engine, params):
-    import contextlib
-
-    import deepspeed
-
-    if engine.zero_optimization_stage() != 3:
-        return contextlib.nullcontext()
-    return deepspeed.zero.GatheredParameters(params, modifier_rank=None)
 
 
 def main() -> None:

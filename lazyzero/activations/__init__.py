@@ -3,9 +3,13 @@
 `ActivationPolicy` chooses a width per module (attention 16 bits, the rest 4 by default),
 `ActivationPacker` stores saved tensors at that width through saved-tensor hooks and counts the
 bytes in an `ActivationAccounting`; `pipeline_stage_bits` is AGoQ's rule for pipeline stages.
+`ActivationOffloader` moves the stored forms of chosen layers to host memory or NVMe and reads
+them back ahead of their backward (issue 7).
 """
 
 from lazyzero.activations.accounting import ActivationAccounting, SavedBytes
+from lazyzero.activations.offload import ActivationOffloader, OffloadedStorage
+from lazyzero.activations.offload_io import AioSettings
 from lazyzero.activations.packing import ActivationPacker, PackedView
 from lazyzero.activations.policy import (
     ActivationPolicy,
@@ -18,9 +22,12 @@ from lazyzero.activations.stages import one_f_one_b_in_flight, pipeline_stage_bi
 
 __all__ = [
     "ActivationAccounting",
+    "ActivationOffloader",
     "ActivationPacker",
     "ActivationPolicy",
+    "AioSettings",
     "ModuleBits",
+    "OffloadedStorage",
     "PackedView",
     "SavedBytes",
     "classify_module",

@@ -27,6 +27,10 @@ module keeps the exact tensor, an 8-bit one does not take a recipe over 4-bit so
 
 Composes with activation checkpointing: torch's checkpoint pushes its own saved-tensor hooks inside
 ours, so what it recomputes never reaches the packer, and the policy gives recomputed layers 16 bits.
+
+Layers in `offload_layers` hand each stored form (packed, or a storage kept as saved) to an
+`ActivationOffloader` right after storing it; autograd then holds the form's `OffloadedStorage`,
+which reads it back in backward (lazyzero/activations/offload.py).
 """
 
 from __future__ import annotations
@@ -41,6 +45,8 @@ from torch import nn
 
 from lazyzero.activations import rewrites
 from lazyzero.activations.accounting import ActivationAccounting
+from lazyzero.activations.offload import ActivationOffloader, OffloadedStorage
+from lazyzero.activations.offload_io import AioSettings
 from lazyzero.activations.policy import KEEP_BITS, ActivationPolicy, ModuleBits
 from lazyzero.activations.stored import DerivedStorage, PackedView, unpack_saved
 from lazyzero.ops.quant import SUPPORTED_DTYPES, BlockQuantized, quantize_blockwise
@@ -48,12 +54,12 @@ from lazyzero.ops.quant import SUPPORTED_DTYPES, BlockQuantized, quantize_blockw
 
 @dataclass
 class _StoredStorage:
-    """The forms (width -> packed storage, or None when kept) of one storage seen in this forward
-    pass, or the recipe that recomputes it (`derived`)."""
+    """The forms (width -> packed storage, or None when kept as it is; either may be offloaded) of one
+    storage seen in this forward pass, or the recipe that recomputes it (`derived`)."""
 
     root: weakref.ref
     version: int
-    forms: dict[int, BlockQuantized | None] = field(default_factory=dict)
+    forms: dict[int, BlockQuantized | OffloadedStorage | None] = field(default_factory=dict)
     derived: DerivedStorage | None = None
     derived_counted: bool = False
 
@@ -63,12 +69,18 @@ class ActivationPacker:
 
     Usage: `with packer: loss = model(batch)`, then `loss.backward()` (outside or inside). Module hooks
     stay registered until `remove()`; packing happens only inside the `with` block. Byte counts go to
-    `packer.accounting` (see `ActivationAccounting`).
+    `packer.accounting` (see `ActivationAccounting`). With `offload_layers`, `packer.offloader` moves
+    those layers' forms (`rank` and `aio`: see `ActivationOffloader`), and `close()` ends it.
     """
 
-    def __init__(self, model: nn.Module, policy: ActivationPolicy, accounting: ActivationAccounting | None = None):
+    def __init__(self, model: nn.Module, policy: ActivationPolicy, accounting: ActivationAccounting | None = None,
+                 *, rank: int | None = None, aio: AioSettings | None = None):
         self.policy = policy
         self.accounting = accounting if accounting is not None else ActivationAccounting()
+        self.offloader = None
+        if policy.config.offload_layers:
+            self.offloader = ActivationOffloader(model, policy.config, self.accounting, lambda: self.active,
+                                                 rank=rank, aio=aio)
         self.managed = policy.plan(model)
         self._scopes: list[tuple[ModuleBits, nn.Module]] = []
         self._stored: dict[int, _StoredStorage] = {}
@@ -102,6 +114,8 @@ class ActivationPacker:
         return rewritten
 
     def __enter__(self) -> ActivationPacker:
+        if not self._active and self.offloader is not None:
+            self.offloader.begin_forward()
         hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, unpack_saved)
         hooks.__enter__()
         self._active.append(hooks)
@@ -112,15 +126,25 @@ class ActivationPacker:
         if not self._active:
             # Only this forward pass can save these tensors again; autograd holds the packed forms.
             self._stored.clear()
+            if self.offloader is not None:
+                self.offloader.end_forward()
 
     def remove(self) -> None:
-        """Unregister the module hooks."""
+        """Unregister the module hooks (what is stored already can still be unpacked)."""
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
         for module in self._rewritten:
             rewrites.restore_forward(module)
         self._rewritten.clear()
+        if self.offloader is not None:
+            self.offloader.remove()
+
+    def close(self) -> None:
+        """`remove()`, and end the offload: its files deleted, its buffers freed (see `ActivationOffloader.close`)."""
+        self.remove()
+        if self.offloader is not None:
+            self.offloader.close()
 
     @property
     def active(self) -> bool:
@@ -155,7 +179,8 @@ class ActivationPacker:
         if stored is None:
             return None
         if KEEP_BITS in stored.forms:
-            return tensor
+            kept = stored.forms[KEEP_BITS]
+            return tensor if kept is None else PackedView.of(kept, tensor)
         if stored.derived is not None:
             return PackedView.of(stored.derived, tensor)
         packed = next((form for form in stored.forms.values() if form is not None), None)
@@ -179,7 +204,8 @@ class ActivationPacker:
         root = _root(tensor)
         stored = self._stored_for(root)
         if KEEP_BITS in stored.forms:
-            return tensor
+            kept = stored.forms[KEEP_BITS]
+            return tensor if kept is None else PackedView.of(kept, tensor)
         if stored.derived is not None and stored.derived.bits >= bits:
             if not stored.derived_counted:
                 stored.derived_counted = True
@@ -187,13 +213,12 @@ class ActivationPacker:
                 self.accounting.record(layer, kind, root.untyped_storage().nbytes(), 0)
             return PackedView.of(stored.derived, tensor)
         if bits not in stored.forms:
-            stored.forms[bits] = self._store(root, bits, entry)
-            if stored.forms[bits] is None:
-                stored.forms[KEEP_BITS] = None  # kept exact: every later save refers to it as it is
-        packed = stored.forms[bits]
-        if packed is None:
-            return tensor
-        return PackedView.of(packed, tensor)
+            form, kept = self._store(root, bits, entry)
+            stored.forms[bits] = form
+            if kept:
+                stored.forms[KEEP_BITS] = form  # kept exact: every later save refers to it (or its offloaded copy)
+        form = stored.forms[bits]
+        return tensor if form is None else PackedView.of(form, tensor)
 
     def _packable(self, tensor: torch.Tensor) -> bool:
         return (
@@ -223,14 +248,24 @@ class ActivationPacker:
         # The root's Python object died: its id may be reused by an unrelated tensor.
         self._stored.pop(key, None)
 
-    def _store(self, root: torch.Tensor, bits: int, entry: ModuleBits | None) -> BlockQuantized | None:
-        """Pack `root`'s whole storage at `bits` (None: keep it) and record the bytes."""
+    def _store(self, root: torch.Tensor, bits: int, entry: ModuleBits | None) -> tuple[object, bool]:
+        """Store `root`'s whole storage at `bits`, off the device if its layer offloads, and record the
+        bytes: (the form, None when kept as it is; whether it is kept exact rather than packed)."""
         before = root.untyped_storage().nbytes()
         layer, kind = (entry.layer, entry.kind) if entry else (None, None)
-        if bits == KEEP_BITS:
-            self.accounting.record(layer, kind, before, before)
-            return None
-        numel = before // root.element_size()
+        packed = None if bits == KEEP_BITS else self._quantize(root, bits)
+        if packed is None:
+            form = self.offloader.offload_kept(root, layer) if self.offloader is not None else None
+            self.accounting.record(layer, kind, before, before, offloaded=before if form is not None else 0)
+            return form, True
+        after = packed.codes.untyped_storage().nbytes() + packed.scales.untyped_storage().nbytes()
+        offloaded = self.offloader.offload_packed(packed, layer) if self.offloader is not None else None
+        self.accounting.record(layer, kind, before, after, offloaded=after if offloaded is not None else 0)
+        return (packed if offloaded is None else offloaded), False
+
+    def _quantize(self, root: torch.Tensor, bits: int) -> BlockQuantized | None:
+        """`root`'s whole storage block-quantized at `bits`, or None where it must stay exact."""
+        numel = root.untyped_storage().nbytes() // root.element_size()
         flat = root.detach().as_strided((numel,), (1,), 0)
         config = self.policy.config
         self._seed += 1
@@ -239,12 +274,7 @@ class ActivationPacker:
         )
         # A block holding Inf or NaN (SDPA's logsumexp is -inf on fully masked rows) would come back
         # as all NaN: keep such a tensor exact. One check over the scales, a block-th of the tensor.
-        if not bool(torch.isfinite(packed.scales).all()):
-            self.accounting.record(layer, kind, before, before)
-            return None
-        after = packed.codes.untyped_storage().nbytes() + packed.scales.untyped_storage().nbytes()
-        self.accounting.record(layer, kind, before, after)
-        return packed
+        return packed if bool(torch.isfinite(packed.scales).all()) else None
 
 
 def _root(tensor: torch.Tensor) -> torch.Tensor:

@@ -87,6 +87,12 @@ def layer_index(name: str) -> int | None:
     return int(match.group(1)) if match else None
 
 
+def decoder_layers(model: nn.Module) -> dict[int, nn.Module]:
+    """The model's whole decoder layers by index (`is_decoder_layer`, with an index in their name)."""
+    return {layer_index(name): module for name, module in model.named_modules()
+            if is_decoder_layer(name, module) and layer_index(name) is not None}
+
+
 @dataclass(frozen=True)
 class ModuleBits:
     """One module whose forward sets the width of the tensors saved inside it."""

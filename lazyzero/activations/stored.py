@@ -1,8 +1,9 @@
 """What autograd holds for a saved tensor once the packer has stored it (lazyzero/activations/packing.py).
 
 A `PackedView` is the tensor's geometry inside its storage, and the storage's stored form: block-wise
-quantized (`BlockQuantized`) or a `DerivedStorage` recipe that rebuilds it from other stored tensors.
-`unpack_saved` turns any of them (or a tensor kept as saved) back into a tensor.
+quantized (`BlockQuantized`), a `DerivedStorage` recipe that rebuilds it from other stored tensors,
+or either of the first moved off the device (`OffloadedStorage`, offload.py). `unpack_saved` turns
+any of them (or a tensor kept as saved) back into a tensor.
 """
 
 from __future__ import annotations
@@ -40,23 +41,27 @@ class DerivedStorage:
 
 @dataclass(frozen=True)
 class PackedView:
-    """What autograd holds instead of a saved tensor: its storage, packed (or derived), and its
-    geometry in it."""
+    """What autograd holds instead of a saved tensor: its storage's stored form and its geometry in it.
 
-    storage: BlockQuantized | DerivedStorage
+    The form is a `BlockQuantized`, or anything with `bits` and `materialize()` (the storage's
+    elements, flat, in a buffer of their own): a `DerivedStorage`, or an `OffloadedStorage` living off
+    the device (lazyzero/activations/offload.py).
+    """
+
+    storage: object
     shape: torch.Size
     stride: tuple[int, ...]
     storage_offset: int
 
     def unpack(self) -> torch.Tensor:
-        if isinstance(self.storage, DerivedStorage):
-            flat = self.storage.materialize()
-        else:
+        if isinstance(self.storage, BlockQuantized):
             flat = dequantize_blockwise(self.storage)
+        else:
+            flat = self.storage.materialize()
         return flat.as_strided(self.shape, self.stride, self.storage_offset)
 
     @classmethod
-    def of(cls, storage: BlockQuantized | DerivedStorage, tensor: torch.Tensor) -> PackedView:
+    def of(cls, storage, tensor: torch.Tensor) -> PackedView:
         return cls(storage, tensor.shape, tensor.stride(), tensor.storage_offset())
 
 

@@ -1,12 +1,15 @@
-"""Saved-activation quantization in real 2-rank DeepSpeed runs on every ZeRO stage (issue 6, item 3).
+"""Saved-activation quantization in real 2-rank DeepSpeed runs on every ZeRO stage (issue 6, item 3),
+and the offload of a layer's stored activations to NVMe (issue 7).
 
 tests/workers/activations_worker.py trains the tiny Llama 3 steps with activations off and on from
 the same seed and data. Packing changes nothing in forward, so the first loss must be identical; the
 later ones and the trained parameters differ only by the 4-bit rounding of what backward reads.
+With a layer offloaded the bytes backward reads are those it would read kept: everything bit-equal.
 """
 
 import json
 import math
+import os
 from pathlib import Path
 
 import pytest
@@ -16,7 +19,10 @@ from lazyzero.models.build import build_model
 from lazyzero.testing import cosines_by_name, run_distributed
 
 WORKER = Path(__file__).resolve().parents[1] / "workers" / "activations_worker.py"
-DEFAULT_LAYOUTS = ["0", "3+recompute"]
+QUANTIZED_LAYOUTS = ["0", "3+recompute"]
+HAS_LIBAIO = Path("/usr/include/libaio.h").exists()  # NVMe offload (.ci/run installs libaio-dev)
+# One launch for all: starting 2 ranks costs ~25 s.
+DEFAULT_LAYOUTS = [*QUANTIZED_LAYOUTS, *(["3+offload"] if HAS_LIBAIO else [])]
 SLOW_LAYOUTS = ["1", "2", "2+recompute", "3"]
 # Adam moves every element by about lr whatever its gradient's size, so 4-bit rounding can flip the
 # move of elements with tiny gradients; over whole tensors the updates still point the same way.
@@ -32,14 +38,20 @@ def update_cosines(on: dict, off: dict) -> dict:
 
 
 def run_layouts(out: Path, layouts: list[str]) -> list[dict]:
+    (out / "nvme").mkdir()  # the offload's files (layouts with +offload)
     proc = run_distributed("deepspeed", 2, [str(WORKER), str(out), *layouts], timeout=1800)
     assert proc.returncode == 0, proc.stdout[-4000:]
     return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(2)]
 
 
 @pytest.fixture(scope="module")
-def default_run(tmp_path_factory):
-    return run_layouts(tmp_path_factory.mktemp("activations"), DEFAULT_LAYOUTS)
+def default_out(tmp_path_factory):
+    return tmp_path_factory.mktemp("activations")
+
+
+@pytest.fixture(scope="module")
+def default_run(default_out):
+    return run_layouts(default_out, DEFAULT_LAYOUTS)
 
 
 def check_layout(ranks: list[dict], layout: str) -> None:
@@ -67,9 +79,29 @@ def check_layout(ranks: list[dict], layout: str) -> None:
         assert rows["1"]["packed_bytes"] < 0.7 * rows["1"]["saved_bytes"]
 
 
-@pytest.mark.parametrize("layout", DEFAULT_LAYOUTS)
+@pytest.mark.parametrize("layout", QUANTIZED_LAYOUTS)
 def test_training_with_packed_activations_follows_the_unquantized_run(default_run, layout):
     check_layout(default_run, layout)
+
+
+@pytest.mark.skipif(not HAS_LIBAIO, reason="NVMe offload needs libaio-dev (.ci/run installs it)")
+def test_a_layer_offloaded_to_nvme_trains_as_kept_and_leaves_no_file(default_run, default_out):
+    """ZeRO-3, layer 0 on NVMe against the same policy kept: same losses and parameters, bit for
+    bit; the step metrics and the report say what left; no file once the ranks have exited."""
+    for rank in default_run:
+        on, offload = rank["3+offload"]["on"], rank["3+offload"]["offload"]
+        assert offload["losses"] == on["losses"]
+        assert offload["params"] == on["params"]
+        for metrics in offload["metrics"]:
+            assert 0 < metrics["activation_offloaded_bytes"] < metrics["activation_packed_bytes"]
+            assert metrics["activation_offload_waits"] >= 0 and metrics["activation_offload_wait_s"] >= 0
+            assert metrics["activation_offload_write_s"] > 0 and metrics["activation_offload_read_s"] > 0
+            assert metrics["activation_offload_reads_ahead"] > 0  # layer 1's backward asked for layer 0's
+        assert all("activation_offloaded_bytes" not in metrics for metrics in on["metrics"])
+        rows = offload["report"]["activation_bytes_by_layer"]
+        assert rows["0"]["offloaded_bytes"] > 0.9 * rows["0"]["packed_bytes"]
+        assert rows["1"]["offloaded_bytes"] == rows["outside"]["offloaded_bytes"] == 0
+    assert os.listdir(default_out / "nvme") == []
 
 
 @pytest.mark.slow

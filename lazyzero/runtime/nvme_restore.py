@@ -35,8 +35,13 @@ def restore_nvme_offloaded_state(engine, load_dir: str, tag: str) -> None:
     Call after `DeepSpeedEngine.load_checkpoint` has copied the swap files back (it needs them), on
     every rank, with the same `load_dir` and `tag`.
     """
+    from lazyzero.runtime.zero_placement import check_checkpoint_tiers
+
     zero_optimizer = engine.optimizer
     saved = _own_zero_state_dict(engine, load_dir, tag)
+    # Before anything is read back: a checkpoint cut into other sub-groups (another placement or
+    # sub_group_size) would put one layer's state into another's.
+    check_checkpoint_tiers(zero_optimizer, saved[FP32_FLAT_GROUPS])
     zero_optimizer.checkpoint_event_prologue()
     zero_optimizer.loss_scaler = saved[LOSS_SCALER]
     zero_optimizer.dynamic_loss_scale = saved["dynamic_loss_scale"]

@@ -20,12 +20,12 @@ from lazyzero.planner.problem import BIT_WIDTHS, LayerCosts, Machine, Path, Plan
 GB = 10**9
 BF16_BYTES = 2
 FP32_BYTES = 4
-# Adam's fp32 state per parameter: first and second moments plus the fp32 master weights.
-FP32_STATE_BYTES_PER_PARAM = 3 * FP32_BYTES
-# lazyzero's AdamW8bit (lazyzero/optim/adam8bit.py): one byte per moment and one fp32 scale per
-# block of each moment, next to the same fp32 master weights: 2 + 8/256 + 4 = 6.03 B at block 256.
+# Adam's moments per parameter in fp32, and in lazyzero's AdamW8bit (lazyzero/optim/adam8bit.py): one
+# byte per moment and one fp32 scale per block of each moment, 2 + 8/256 = 2.03 B at block 256. Mixed
+# precision adds the fp32 master weights (4 B) to either.
 _OPTIMIZER_DEFAULTS = OptimizerConfig()
-EIGHT_BIT_STATE_BYTES_PER_PARAM = 2 + 2 * FP32_BYTES / _OPTIMIZER_DEFAULTS.block_size + FP32_BYTES
+FP32_MOMENT_BYTES_PER_PARAM = 2 * FP32_BYTES
+EIGHT_BIT_MOMENT_BYTES_PER_PARAM = 2 + 2 * FP32_BYTES / _OPTIMIZER_DEFAULTS.block_size
 # Quantized activations carry one fp32 scale per block (lazyzero/activations, default block 64).
 ACTIVATION_SCALE_BYTES_PER_VALUE = FP32_BYTES / ActivationsConfig().block_size
 # The loss is computed on fp32 logits; the caching allocator's fragmentation and cuBLAS/NCCL
@@ -75,15 +75,19 @@ def embed_and_head_tensors(preset: ModelPreset) -> dict[str, int]:
             "lm_head.weight": preset.vocab_size * h}
 
 
-def optimizer_state_bytes(named_numels: dict[str, int], eight_bit: bool) -> int:
-    """Adam state bytes of these tensors. With 8-bit states, the tensors that AdamW8bit's policy
-    (lazyzero/optim/policy.py, default OptimizerConfig) keeps in fp32 still count 12 B/param:
-    names matching `fp32_patterns` (embeddings, norms) and tensors under `min_8bit_size`."""
+def optimizer_state_bytes(named_numels: dict[str, int], eight_bit: bool, *, master_bytes: int = FP32_BYTES,
+                          world_size: int = 1) -> int:
+    """Adam state bytes of these tensors on one of `world_size` ranks (ZeRO-3 partitions, rounded up):
+    moments plus `master_bytes` per parameter of fp32 master weights (0 when the model itself is fp32).
+    With 8-bit states, the tensors that AdamW8bit's policy (lazyzero/optim/policy.py, default
+    OptimizerConfig) keeps in fp32 still count fp32 moments: names matching `fp32_patterns`
+    (embeddings, norms) and whole tensors under `min_8bit_size`."""
     total = 0.0
     for name, numel in named_numels.items():
         fp32 = (not eight_bit or numel < _OPTIMIZER_DEFAULTS.min_8bit_size
                 or any(fnmatch.fnmatch(name, p) for p in _OPTIMIZER_DEFAULTS.fp32_patterns))
-        total += numel * (FP32_STATE_BYTES_PER_PARAM if fp32 else EIGHT_BIT_STATE_BYTES_PER_PARAM)
+        moments = FP32_MOMENT_BYTES_PER_PARAM if fp32 else EIGHT_BIT_MOMENT_BYTES_PER_PARAM
+        total += -(-numel // world_size) * (moments + master_bytes)
     return round(total)
 
 
@@ -197,4 +201,5 @@ def problem_from_preset(preset: str, *, gpu_mem: int, cpu_mem: int | None, nvme_
     layers.append(embed_and_head_costs(dims, gpu_tflops=gpu_tflops, **shape))
     machine = machine_from_budgets(gpu_mem=gpu_mem, cpu_mem=cpu_mem, nvme_path=nvme_path, h2d_gbps=h2d_gbps,
                                    d2h_gbps=d2h_gbps, nvme_read_gbps=nvme_read_gbps, nvme_write_gbps=nvme_write_gbps)
-    return PlanProblem(layers, machine, workspace_bytes(dims, **shape), allowed_bits=allowed_bits)
+    return PlanProblem(layers, machine, workspace_bytes(dims, **shape), allowed_bits=allowed_bits,
+                       offload_all_or_none=True)

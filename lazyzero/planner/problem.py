@@ -22,7 +22,7 @@ Simplifications, all deliberate (LazyTrain-style planning, not a hardware model)
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import NamedTuple
 
 TIER_NAMES = ("gpu", "cpu", "nvme")
@@ -58,6 +58,14 @@ class LayerCosts:
     input_bytes: what a recomputed layer keeps instead (its input).
     optim_state_bytes_fp32 / _8bit: whatever the caller counts (moments, master weights).
     quality_cost[bits]: penalty per step, in seconds-equivalent, for storing at that width (16 -> 0).
+    pack_fwd_s[bits] / pack_bwd_s[bits]: seconds that storing at that width adds to the layer's
+    forward (quantizing) and backward (restoring); 0 for 16 bits unless measured otherwise.
+    recompute_s: seconds a recompute adds to the backward (None: the forward's fwd_s).
+    offload_fwd_s[bits] / offload_bwd_s[bits]: seconds that moving the stored activations off the
+    device at that width costs the forward / backward besides the copies' own time on their paths
+    (the work of moving them: on a machine without a GPU it competes with compute).
+    stage_bytes_fp32 / _8bit: host bytes the NVMe optimizer swapper stages to step this layer's state
+    (None: the state's own bytes).
     """
 
     name: str
@@ -70,12 +78,21 @@ class LayerCosts:
     optim_state_bytes_fp32: int
     optim_state_bytes_8bit: int
     quality_cost: dict[int, float]
+    pack_fwd_s: dict[int, float] = field(default_factory=lambda: dict.fromkeys(BIT_WIDTHS, 0.0))
+    pack_bwd_s: dict[int, float] = field(default_factory=lambda: dict.fromkeys(BIT_WIDTHS, 0.0))
+    recompute_s: float | None = None
+    offload_fwd_s: dict[int, float] = field(default_factory=lambda: dict.fromkeys(BIT_WIDTHS, 0.0))
+    offload_bwd_s: dict[int, float] = field(default_factory=lambda: dict.fromkeys(BIT_WIDTHS, 0.0))
+    stage_bytes_fp32: int | None = None
+    stage_bytes_8bit: int | None = None
 
     def __post_init__(self):
         _require(bool(self.name), "name", "must be a non-empty string")
         _require_nonnegative(self, ("fwd_s", "bwd_s", "input_bytes", "param_bytes", "grad_bytes",
                                     "optim_state_bytes_fp32", "optim_state_bytes_8bit"))
-        for field_name in ("act_bytes", "quality_cost"):
+        _require(self.recompute_s is None or self.recompute_s >= 0, "recompute_s",
+                 f"must be None or a number >= 0, got {self.recompute_s!r}")
+        for field_name in ("act_bytes", "quality_cost", "pack_fwd_s", "pack_bwd_s", "offload_fwd_s", "offload_bwd_s"):
             table = getattr(self, field_name)
             _require(set(table) == set(BIT_WIDTHS), field_name, f"needs exactly the keys {BIT_WIDTHS}")
             _require(all(v >= 0 for v in table.values()), field_name, "values must be >= 0")
@@ -83,6 +100,23 @@ class LayerCosts:
 
     def state_bytes(self, eight_bit: bool) -> int:
         return self.optim_state_bytes_8bit if eight_bit else self.optim_state_bytes_fp32
+
+    def stage_bytes(self, eight_bit: bool) -> int:
+        staged = self.stage_bytes_8bit if eight_bit else self.stage_bytes_fp32
+        return self.state_bytes(eight_bit) if staged is None else staged
+
+    @property
+    def recompute_seconds(self) -> float:
+        return self.fwd_s if self.recompute_s is None else self.recompute_s
+
+    def window_seconds(self, act: ActChoice) -> tuple[float, float]:
+        """(forward, backward) seconds of this layer with activation choice `act`: compute, packing,
+        the work of offloading, or the recompute."""
+        if act.mode == "recompute":
+            return self.fwd_s, self.bwd_s + self.recompute_seconds
+        offloaded = act.tier != "gpu"
+        return (self.fwd_s + self.pack_fwd_s[act.bits] + (self.offload_fwd_s[act.bits] if offloaded else 0.0),
+                self.bwd_s + self.pack_bwd_s[act.bits] + (self.offload_bwd_s[act.bits] if offloaded else 0.0))
 
 
 @dataclass(frozen=True)
@@ -112,12 +146,26 @@ class Machine:
     "gpu" is always the compute memory. A CPU-only machine is {"gpu" (host memory under the training
     budget), "nvme"}: then NVMe copies go straight to and from the compute memory, the optimizer runs
     there, and there are no d2h/h2d paths.
+
+    Optimizer seconds per byte of state: `gpu_*` for states on the compute memory, `cpu_*` for
+    offloaded states (DeepSpeed steps them with its CPU optimizer, also on a CPU-only machine where
+    an NVMe-offloaded state is stepped in host memory); `*_adam8_*` for 8-bit states (None: the fp32
+    rate).
     """
 
     tiers: dict[str, Tier]
     paths: dict[str, Path]
     cpu_adam_s_per_byte: float
     gpu_adam_s_per_byte: float
+    cpu_adam8_s_per_byte: float | None = None
+    gpu_adam8_s_per_byte: float | None = None
+    nvme_swaps_block: bool = False
+    """DeepSpeed's NVMe swaps of parameters and optimizer state wait for their reads and writes (its
+    parameter prefetch is off, DEEPSPEED_NOTES.md; lazyzero's 8-bit states use the non-pipelined
+    swapper): their seconds add to the window's time instead of overlapping its compute."""
+    nvme_state_takes_grads: bool = False
+    """Without a host tier, a layer whose optimizer state is on NVMe has its gradients written there
+    after its backward and read back for the step (DeepSpeed's NVMe optimizer swapper)."""
 
     def __post_init__(self):
         _require("gpu" in self.tiers, "tiers", "needs a 'gpu' tier (the compute memory)")
@@ -132,6 +180,8 @@ class Machine:
         missing = sorted(needed - set(self.paths))
         _require(not missing, "paths", f"the tiers {sorted(self.tiers)} need the paths {missing}")
         _require_nonnegative(self, ("cpu_adam_s_per_byte", "gpu_adam_s_per_byte"))
+        for name in ("cpu_adam8_s_per_byte", "gpu_adam8_s_per_byte"):
+            _require(getattr(self, name) is None or getattr(self, name) >= 0, name, "must be None or a number >= 0")
 
     @property
     def has_host(self) -> bool:
@@ -152,6 +202,18 @@ class Machine:
         """Optimizer state off the device is stepped by the CPU (ZeRO-Offload), if there is a host."""
         return state_tier != "gpu" and self.has_host
 
+    def grads_leave_device(self, state_tier: str) -> bool:
+        """Whether a layer's gradients leave the compute memory after its backward: to the host for a
+        host optimizer, or to NVMe with the state (`nvme_state_takes_grads`)."""
+        return self.optimizer_on_host(state_tier) or (self.nvme_state_takes_grads and state_tier == "nvme")
+
+    def adam_s_per_byte(self, state_tier: str, eight_bit: bool) -> float:
+        offloaded = state_tier != "gpu"
+        rate = (self.cpu_adam8_s_per_byte if offloaded else self.gpu_adam8_s_per_byte) if eight_bit else None
+        if rate is not None:
+            return rate
+        return self.cpu_adam_s_per_byte if offloaded else self.gpu_adam_s_per_byte
+
 
 @dataclass(frozen=True)
 class PlanProblem:
@@ -162,6 +224,21 @@ class PlanProblem:
     allowed_bits: tuple[int, ...] = BIT_WIDTHS
     allow_recompute: bool = True
     allow_8bit_optimizer: bool = True
+    # DeepSpeed offloads all parameters (all optimizer states) of a model or none: with this rule each
+    # kind is either on the compute device in every layer or off it in every layer; which off-device
+    # tier is each layer's choice (lazyzero places NVMe per layer, lazyzero/runtime/zero_placement.py).
+    # Set where there is a host tier beside the device; without one, "off the device" is NVMe alone.
+    offload_all_or_none: bool = False
+    # Tiers parameters may live on (None: every tier), e.g. not NVMe for an fp32 model on a machine
+    # without a GPU, where DeepSpeed 0.19.8's NVMe parameter swapper fails (DEEPSPEED_NOTES.md).
+    param_tiers: tuple[str, ...] | None = None
+    # Per layer, the Placement (param tier, state tier, 8-bit) a running engine cannot change any
+    # more, or None where the planner is free; re-planning fixes all of them (calibrate.py).
+    fixed_placements: tuple | None = None
+    # Bytes held whenever any layer's parameters are on NVMe (DeepSpeed's parameter swapper: its
+    # buffer pool and partitioned swap buffer, swap_buffers.py), in host memory: the "cpu" tier where
+    # there is one, else the compute memory.
+    param_swap_bytes: int = 0
 
     def __post_init__(self):
         object.__setattr__(self, "layers", tuple(self.layers))
@@ -169,9 +246,17 @@ class PlanProblem:
         _require(len(self.layers) > 0, "layers", "needs at least one layer")
         names = [layer.name for layer in self.layers]
         _require(len(set(names)) == len(names), "layers", "layer names must be unique")
-        _require_nonnegative(self, ("workspace_bytes", "checkpoint_bytes_per_step"))
+        _require_nonnegative(self, ("workspace_bytes", "checkpoint_bytes_per_step", "param_swap_bytes"))
         _require(bool(self.allowed_bits) and set(self.allowed_bits) <= set(BIT_WIDTHS), "allowed_bits",
                  f"must be a non-empty subset of {BIT_WIDTHS}, got {self.allowed_bits!r}")
+        if self.param_tiers is not None:
+            object.__setattr__(self, "param_tiers", tuple(self.param_tiers))
+            _require(bool(self.param_tiers) and set(self.param_tiers) <= set(self.machine.tiers), "param_tiers",
+                     f"must be a non-empty subset of the machine's tiers {sorted(self.machine.tiers)}, got {self.param_tiers!r}")
+        if self.fixed_placements is not None:
+            object.__setattr__(self, "fixed_placements", tuple(self.fixed_placements))
+            _require(len(self.fixed_placements) == len(self.layers), "fixed_placements",
+                     f"needs one entry (a placement or None) per layer, got {len(self.fixed_placements)}")
 
     @property
     def num_layers(self) -> int:
@@ -199,6 +284,13 @@ class PlanProblem:
         """Windows it may come back in: backward windows of later layers, before its own backward.
         Empty for the last layer, which therefore never offloads."""
         return range(self.num_layers, self.backward_window(layer))
+
+    def param_swap_tier(self) -> str:
+        return "cpu" if self.machine.has_host else "gpu"
+
+    def param_swap_held(self, layers) -> float:
+        """`param_swap_bytes` if any of the chosen layers has its parameters on NVMe, else 0."""
+        return self.param_swap_bytes if any(lp.param_tier == "nvme" for lp in layers) else 0
 
     def checkpoint_route(self) -> tuple[str, ...]:
         """Snapshot traffic goes to host memory, or to NVMe on a machine without one."""
@@ -265,12 +357,28 @@ def activation_options(problem: PlanProblem, layer: int) -> list[ActChoice]:
 
 
 def placement_options(problem: PlanProblem, layer: int) -> list[Placement]:
-    """Every parameter tier x state tier; the state 8-bit when allowed and no larger than fp32 (the
-    fp32 state is then dominated: more bytes to hold, move and step, at no gain in this model)."""
+    """Every allowed parameter tier x state tier (only the fixed one where `fixed_placements` names
+    it); the state 8-bit when allowed and no larger than fp32 and, on that tier, no slower to step
+    (the fp32 state is then dominated: more bytes to hold, move and step, at no gain in this model),
+    both precisions when 8-bit is smaller but slower."""
+    if problem.fixed_placements is not None and problem.fixed_placements[layer] is not None:
+        return [Placement(*problem.fixed_placements[layer])]
     tiers = list(problem.machine.tiers)
-    costs = problem.layers[layer]
-    eight_bit = problem.allow_8bit_optimizer and costs.optim_state_bytes_8bit <= costs.optim_state_bytes_fp32
-    return [Placement(p, s, eight_bit) for p in tiers for s in tiers]
+    params = [t for t in tiers if problem.param_tiers is None or t in problem.param_tiers]
+    return [Placement(p, s, eight_bit) for p in params for s in tiers for eight_bit in _state_precisions(problem, layer, s)]
+
+
+def _state_precisions(problem: PlanProblem, layer: int, state_tier: str) -> tuple[bool, ...]:
+    costs, machine = problem.layers[layer], problem.machine
+    if not problem.allow_8bit_optimizer or costs.optim_state_bytes_8bit > costs.optim_state_bytes_fp32:
+        return (False,)
+    if optimizer_seconds(machine, costs, state_tier, True) <= optimizer_seconds(machine, costs, state_tier, False):
+        return (True,)
+    return (True, False)
+
+
+def optimizer_seconds(machine: Machine, costs: LayerCosts, state_tier: str, eight_bit: bool) -> float:
+    return machine.adam_s_per_byte(state_tier, eight_bit) * costs.state_bytes(eight_bit)
 
 
 class Traffic(NamedTuple):
@@ -294,6 +402,9 @@ def placement_traffic(problem: PlanProblem, layer: int, placement: Placement) ->
     if placement.state_tier == "nvme":
         state = costs.state_bytes(placement.state_8bit)
         traffic += [Traffic(opt, "nvme_read", state), Traffic(opt, "nvme_write", state)]
+        if machine.grads_leave_device("nvme") and not on_host:
+            traffic += [Traffic(problem.backward_window(layer) + 1, "nvme_write", costs.grad_bytes),
+                        Traffic(opt, "nvme_read", costs.grad_bytes)]
     # The updated 16-bit parameters are produced where the optimizer runs and go home.
     if on_host and placement.param_tier == "gpu":
         traffic.append(Traffic(opt, "h2d", costs.param_bytes))
@@ -304,10 +415,29 @@ def placement_traffic(problem: PlanProblem, layer: int, placement: Placement) ->
     return traffic
 
 
+PLACED_KINDS = {"param": "param_tier", "state": "state_tier"}
+
+
+def check_offload_all_or_none(problem: PlanProblem, layers) -> None:
+    """Raise ValueError if, under offload_all_or_none, some layers keep a kind on the device and others not."""
+    if not problem.offload_all_or_none:
+        return
+    for kind, attribute in PLACED_KINDS.items():
+        on_device = [i for i, lp in enumerate(layers) if getattr(lp, attribute) == "gpu"]
+        if 0 < len(on_device) < len(layers):
+            raise ValueError(f"offload_all_or_none: layers {on_device} keep their {kind} tensors on the device and "
+                             "the others do not; DeepSpeed offloads all of them or none")
+
+
+def blocking_seconds(problem: PlanProblem, traffic: Traffic) -> float:
+    """Seconds a placement copy adds to its window's time (0 where copies overlap compute)."""
+    if problem.machine.nvme_swaps_block and traffic.path.startswith("nvme"):
+        return traffic.bytes / problem.machine.paths[traffic.path].bytes_per_s
+    return 0.0
+
+
 def optimizer_step_s(problem: PlanProblem, layer: int, placement: Placement) -> float:
-    machine = problem.machine
-    on_host = machine.optimizer_on_host(placement.state_tier)
-    rate = machine.cpu_adam_s_per_byte if on_host else machine.gpu_adam_s_per_byte
+    rate = problem.machine.adam_s_per_byte(placement.state_tier, placement.state_8bit)
     return rate * problem.layers[layer].state_bytes(placement.state_8bit)
 
 

@@ -3,7 +3,8 @@
 Written independently of the MILP's formulas (`milp.py` sums closed-form expressions; this walks the
 step), so a modelling error in one shows up as a disagreement with the other. It uses the plan's own
 transfer schedule (the MILP's, or `default_schedule` for rule-based plans) and checks that the
-schedule moves every offloaded activation and the checkpoint snapshot in full, in allowed windows.
+schedule moves every offloaded activation and the checkpoint snapshot in full, in allowed windows,
+and that the plan keeps the problem's offload_all_or_none rule (a ValueError otherwise).
 
 Memory rules walked here (see problem.py for the windows):
 - device: workspace, parameters/states placed on it, 2x the largest offloaded parameter and 2x the
@@ -21,8 +22,9 @@ from __future__ import annotations
 from collections import Counter, defaultdict
 from dataclasses import dataclass
 
-from lazyzero.planner.problem import (ActTransfer, LayerPlan, Plan, PlanProblem, optimizer_step_s,
-                                      placement_traffic, quality_cost)
+from lazyzero.planner.problem import (ActTransfer, LayerPlan, Plan, PlanProblem, blocking_seconds,
+                                      check_offload_all_or_none, optimizer_step_s, placement_traffic,
+                                      quality_cost)
 
 # Relative slack when checking that a schedule moves exactly what it must (solver round-off).
 SCHEDULE_RTOL = 1e-6
@@ -61,6 +63,7 @@ def window_label(problem: PlanProblem, window: int) -> str:
 
 
 def simulate(problem: PlanProblem, plan: Plan) -> StepSimulation:
+    check_offload_all_or_none(problem, plan.layers)
     _check_schedule(problem, plan)
     compute = _compute_seconds(problem, plan.layers)
     loads = _path_loads(problem, plan)
@@ -116,9 +119,12 @@ def evaluate_layers(problem: PlanProblem, layers, source: str, status: str = "he
 def _compute_seconds(problem: PlanProblem, layers) -> list[float]:
     compute = [0.0] * problem.num_windows
     for i, (costs, lp) in enumerate(zip(problem.layers, layers)):
-        compute[problem.forward_window(i)] += costs.fwd_s
-        compute[problem.backward_window(i)] += costs.bwd_s + (costs.fwd_s if lp.act_mode == "recompute" else 0.0)
+        forward, backward = costs.window_seconds(lp.act)
+        compute[problem.forward_window(i)] += forward
+        compute[problem.backward_window(i)] += backward
         compute[problem.optimizer_window] += optimizer_step_s(problem, i, lp.placement)
+        for traffic in placement_traffic(problem, i, lp.placement):
+            compute[traffic.window] += blocking_seconds(problem, traffic)
     return compute
 
 
@@ -134,7 +140,9 @@ def _path_loads(problem: PlanProblem, plan: Plan) -> list[Counter]:
         for path in route:
             loads[t.window][path] += t.bytes
     for window, size in enumerate(plan.checkpoint_transfers):
-        for path in problem.checkpoint_route():
+        # Without snapshot traffic there may be no path for it (a machine with neither host tier
+        # nor NVMe).
+        for path in problem.checkpoint_route() if size else ():
             loads[window][path] += size
     return loads
 
@@ -164,10 +172,12 @@ def _walk_memory(problem: PlanProblem, layers: tuple[LayerPlan, ...]) -> list[di
     machine, costs = problem.machine, problem.layers
     live = Counter({tier: 0.0 for tier in machine.tiers})
     live["gpu"] += problem.workspace_bytes + _device_buffers(problem, layers)
+    live[problem.param_swap_tier()] += problem.param_swap_held(layers)
     for c, lp in zip(costs, layers):
         live[lp.param_tier] += c.param_bytes
         live[lp.state_tier] += c.state_bytes(lp.state_8bit)
     host_grads = [machine.optimizer_on_host(lp.state_tier) for lp in layers]
+    leaving = [machine.grads_leave_device(lp.state_tier) for lp in layers]
     memory = [None] * problem.num_windows
     for i, lp in enumerate(layers):
         live[_storage_tier(lp)] += _storage_bytes(costs[i], lp)
@@ -177,17 +187,18 @@ def _walk_memory(problem: PlanProblem, layers: tuple[LayerPlan, ...]) -> list[di
         arriving = i + 1 < problem.num_layers and host_grads[i + 1]
         if arriving:
             live["cpu"] += costs[i + 1].grad_bytes
+        left = i + 1 < problem.num_layers and leaving[i + 1]
         snapshot = dict(live)
         if layers[i].act_mode == "recompute":
             snapshot["gpu"] += costs[i].act_bytes[16]
         memory[problem.backward_window(i)] = snapshot
         live[_storage_tier(layers[i])] -= _storage_bytes(costs[i], layers[i])
-        if arriving:
+        if left:
             live["gpu"] -= costs[i + 1].grad_bytes
     if host_grads[0]:
         live["cpu"] += costs[0].grad_bytes
     live["cpu" if machine.has_host else "gpu"] += max(
-        [c.state_bytes(lp.state_8bit) for c, lp in zip(costs, layers) if lp.state_tier == "nvme"], default=0)
+        [c.stage_bytes(lp.state_8bit) for c, lp in zip(costs, layers) if lp.state_tier == "nvme"], default=0)
     memory[problem.optimizer_window] = dict(live)
     return memory
 

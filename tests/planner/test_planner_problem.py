@@ -4,12 +4,15 @@ plan and the baselines checked against every budget."""
 import itertools
 import random
 import time
+from collections import Counter
 
 import pytest
 
 from lazyzero.planner import (BudgetExceeded, LayerCosts, LayerPlan, Machine, Path, Plan, PlanInfeasible, PlanProblem,
                               Tier, build_model, check_within_budgets, deepspeed_default_plan, fixed_rule_plan,
                               greedy_plan, simulate, solve)
+from lazyzero.planner.costs import EMBED_AND_HEAD, decoder_layer_name, problem_from_preset
+from lazyzero.planner.instances import llama_like_80_layers
 from lazyzero.planner.problem import Placement, activation_options
 from lazyzero.planner.simulate import evaluate_layers
 from lazyzero.testing import TOLERANCES
@@ -17,6 +20,7 @@ from lazyzero.testing import TOLERANCES
 GB = 10**9
 FREE_LINKS = 1e18  # bytes/s: every copy hides under the compute
 SLOW_LINKS = 1e6   # bytes/s: any copy of a layer costs hundreds of seconds
+PRESET_SPEEDS = dict(gpu_tflops=400, h2d_gbps=25, d2h_gbps=25, nvme_read_gbps=3, nvme_write_gbps=2)
 
 
 def machine(gpu, cpu=None, nvme=None, bandwidth=25e9, cpu_adam=1 / 12e9, gpu_adam=1 / 1e12):
@@ -54,20 +58,30 @@ def random_problem(seed, num_layers, gpu_fraction, tiers=("cpu", "nvme"), bandwi
     return PlanProblem(layers, machine(gpu_fraction * need, bandwidth=bandwidth, **host), workspace, **options)
 
 
-def brute_force(problem, placements):
-    """Best objective over every combination of per-layer choices that the simulator finds within
-    budget, with the rule-based (just-in-time) transfer schedule."""
+def brute_force_plan(problem, placements, allowed=lambda layers: True):
+    """Best plan over every combination of per-layer choices that `allowed` accepts and the
+    simulator finds within budget, with the rule-based (just-in-time) transfer schedule."""
     per_layer = [list(itertools.product(activation_options(problem, i), placements))
                  for i in range(problem.num_layers)]
     best = None
     for combination in itertools.product(*per_layer):
-        plan = evaluate_layers(problem, [LayerPlan.of(*choice) for choice in combination], "greedy")
+        layers = [LayerPlan.of(*choice) for choice in combination]
+        if not allowed(layers):
+            continue
+        plan = evaluate_layers(problem, layers, "greedy")
         try:
             check_within_budgets(problem, plan)
         except BudgetExceeded:
             continue
-        best = plan.objective if best is None else min(best, plan.objective)
+        if best is None or plan.objective < best.objective:
+            best = plan
     return best
+
+
+def brute_force(problem, placements):
+    """The brute-force optimum's objective (None if no combination fits)."""
+    best = brute_force_plan(problem, placements)
+    return None if best is None else best.objective
 
 
 def every_placement(problem):
@@ -133,6 +147,39 @@ def test_every_plan_is_within_budgets_and_predictions_hold(tiers, gpu_fraction):
     assert plans[0].objective <= min(p.objective for p in plans[1:]) * (1 + TOLERANCES["planner_objective"])
 
 
+def activation_heavy_problem(tiers):
+    """Eight layers whose activations dwarf everything else, with neither recompute nor narrower
+    widths: the plan must offload most activations, and at 50 GB/s their copies outgrow a window."""
+    rng = random.Random(0)
+    layers = []
+    for i in range(8):
+        act16, params = rng.randint(4, 8) * GB // 10, GB // 100
+        layers.append(LayerCosts(f"layer{i}", fwd_s=rng.uniform(1e-3, 4e-3), bwd_s=rng.uniform(2e-3, 8e-3),
+                                 act_bytes={16: act16, 8: act16 // 2, 4: act16 // 4}, input_bytes=act16 // 20,
+                                 param_bytes=2 * params, grad_bytes=2 * params, optim_state_bytes_fp32=12 * params,
+                                 optim_state_bytes_8bit=6 * params, quality_cost={16: 0.0, 8: 1e-3, 4: 3e-3}))
+    workspace = GB // 10
+    need = all_on_device_bytes(layers, workspace)
+    return PlanProblem(layers, machine(0.5 * need, bandwidth=50e9, **{t: 2 * need for t in tiers}), workspace,
+                       allowed_bits=(16,), allow_recompute=False, checkpoint_bytes_per_step=GB)
+
+
+@pytest.mark.parametrize("tiers", [("cpu",), ("cpu", "nvme")])
+def test_offloaded_activations_split_into_a_schedule_the_simulator_confirms(tiers):
+    """The MILP moves activation bytes per window summed over layers; the plan's per-layer schedule
+    must put every layer's bytes in its allowed windows, in full, and load the paths exactly as
+    the MILP predicted (simulated step time = predicted)."""
+    problem = activation_heavy_problem(tiers)
+    plan = solve(problem, max_gap=0.0)
+    assert plan.status == "optimal"
+    assert sum(lp.offloaded for lp in plan.layers) >= 5
+    windows_per_copy = Counter((t.layer, t.direction) for t in plan.act_transfers)
+    assert max(windows_per_copy.values()) > 1, "at 50 GB/s some copy must span several windows"
+    simulation = check_within_budgets(problem, plan)
+    assert simulation.step_s == pytest.approx(plan.predicted_step_s, rel=TOLERANCES["planner_step_time"])
+    assert plan.objective <= greedy_plan(problem).objective * (1 + TOLERANCES["planner_objective"])
+
+
 def test_infeasible_budget_names_the_tier():
     problem = random_problem(3, 3, gpu_fraction=0.001)
     for planner in (solve, greedy_plan):
@@ -151,8 +198,68 @@ def test_constraints_are_named():
     model = build_model(problem).model
     for name in ("one_act[0]", "one_placement[2]", "gpu_capacity[b0]", "gpu_capacity[opt]", "cpu_capacity[b1]",
                  "nvme_capacity[b2]", "act_down[0,cpu]", "act_up[1,nvme]", "checkpoint_traffic",
-                 "bandwidth[d2h,w0]", "act_buffer[1]"):
+                 "bandwidth[d2h,w0]", "act_buffer[1]", "exposed_floor[h2d,w0]", "count_state[gpu]"):
         assert model.constr_by_name(name) is not None, name
+
+
+def offloading_problem(all_or_none):
+    """Three decoder layers and embed_and_head, sized so that the best plan offloads the parameters
+    of only some layers (parameters large next to their optimizer states, a slow host optimizer);
+    under offload_all_or_none every layer's parameters are on the device or none are."""
+    rng = random.Random(9)
+
+    def layer(name, act16):
+        params = rng.randint(1, 8) * GB // 10
+        return LayerCosts(name, fwd_s=rng.uniform(1e-3, 4e-3), bwd_s=rng.uniform(2e-3, 8e-3),
+                          act_bytes={16: act16, 8: act16 // 2, 4: act16 // 4}, input_bytes=act16 // 20,
+                          param_bytes=params, grad_bytes=params, optim_state_bytes_fp32=params // 2,
+                          optim_state_bytes_8bit=params // 4, quality_cost={16: 0.0, 8: 1e-3, 4: 3e-3})
+
+    layers = [layer(decoder_layer_name(i), rng.randint(1, 8) * GB // 10) for i in range(3)]
+    layers.append(layer(EMBED_AND_HEAD, 0))
+    workspace = GB // 10
+    need = all_on_device_bytes(layers, workspace)
+    return PlanProblem(layers, machine(0.92 * need, cpu=2 * need, cpu_adam=1 / 1e9), workspace,
+                       checkpoint_bytes_per_step=GB // 10, allowed_bits=(16,), allow_recompute=False,
+                       allow_8bit_optimizer=False, offload_all_or_none=all_or_none)
+
+
+def all_or_none(layers) -> bool:
+    return all(len({getattr(lp, a) == "gpu" for lp in layers}) == 1 for a in ("param_tier", "state_tier"))
+
+
+def test_offload_all_or_none_keeps_each_kind_on_the_device_everywhere_or_nowhere():
+    free, ruled = offloading_problem(False), offloading_problem(True)
+    best_free = brute_force_plan(free, every_placement(free))
+    best_ruled = brute_force_plan(ruled, every_placement(ruled), allowed=all_or_none)
+    # The instance is what it claims: the unconstrained optimum mixes, and the rule costs time.
+    assert not all_or_none(best_free.layers)
+    assert best_ruled.objective > best_free.objective * (1 + TOLERANCES["planner_objective"])
+    for problem, expected in ((free, best_free), (ruled, best_ruled)):
+        plan = solve(problem, max_gap=0.0)
+        assert plan.status == "optimal"
+        assert plan.objective == pytest.approx(expected.objective, rel=TOLERANCES["planner_objective"])
+        check_within_budgets(problem, plan)
+    assert all_or_none(solve(ruled, max_gap=0.0).layers)
+    assert build_model(ruled).model.constr_by_name("offload_all_or_none[param,2]") is not None
+    assert build_model(free).model.constr_by_name("offload_all_or_none[param,2]") is None
+    with pytest.raises(ValueError, match="^offload_all_or_none: layers"):
+        simulate(ruled, evaluate_layers(free, best_free.layers, "greedy"))
+
+
+def test_greedy_offloads_a_kind_from_every_layer_at_once():
+    """7b on 24 GB with 64 GB of host memory (the preset problem has the rule): the greedy plan and
+    the MILP's offload (24 GB cannot hold 7b's states), from every layer, and stay within the budgets."""
+    problem = problem_from_preset("7b", gpu_mem=24 * GB, cpu_mem=64 * GB, nvme_path=None, seq=4096, micro_batch=1,
+                                  **PRESET_SPEEDS)
+    assert problem.offload_all_or_none
+    greedy = greedy_plan(problem)
+    assert all_or_none(greedy.layers) and {lp.state_tier for lp in greedy.layers} == {"cpu"}
+    check_within_budgets(problem, greedy)
+    plan = solve(problem, time_limit_s=5, warm_start=greedy)
+    assert all_or_none(plan.layers)
+    check_within_budgets(problem, plan)
+    assert plan.objective <= greedy.objective * (1 + TOLERANCES["planner_objective"])
 
 
 def hand_problem():
@@ -196,6 +303,14 @@ def test_simulator_rejects_an_incomplete_schedule():
         simulate(problem, truncated)
 
 
+def test_solve_prints_nothing(capfd):
+    """CBC's LP solver logs to the process's stdout whatever python-mip's verbose says; `lazyzero
+    plan` prints a table there, so solve silences it."""
+    solve(random_problem(2, 4, gpu_fraction=0.3, checkpoint_bytes_per_step=GB))
+    printed = capfd.readouterr()
+    assert printed.out == "" and printed.err == ""
+
+
 def test_plan_json_round_trip():
     problem = random_problem(2, 4, gpu_fraction=0.3, checkpoint_bytes_per_step=GB)
     plan = solve(problem)
@@ -216,27 +331,10 @@ def test_validation_errors_name_the_field(make, field):
         make()
 
 
-def llama_like_80_layers():
-    """About 6.7e9 parameters in 80 layers (hidden 2560, sequence 4096, micro-batch 1), made-up but
-    plausible speeds: 300 TFLOP/s, 25 GB/s PCIe, 3 / 5 GB/s NVMe write / read, CPU Adam 1e9 params/s."""
-    params = 6.7e9 / 80
-    act16 = 34 * 4096 * 2560  # saved bytes per layer (Korthikanti et al. 2022, flash attention)
-    scales = act16 // 64  # one 2-byte scale per block of 64 values (128 bytes at 16 bits)
-    layer = dict(fwd_s=2.3e-3, bwd_s=4.6e-3, act_bytes={16: act16, 8: act16 // 2 + scales, 4: act16 // 4 + scales},
-                 input_bytes=2 * 4096 * 2560, param_bytes=int(2 * params), grad_bytes=int(2 * params),
-                 optim_state_bytes_fp32=int(12 * params), optim_state_bytes_8bit=int(6 * params),
-                 quality_cost={16: 0.0, 8: 1e-4, 4: 1e-3})
-    layers = [LayerCosts(f"layer{i}", **layer) for i in range(80)]
-    tiers = {"gpu": Tier("gpu", 24 * GB), "cpu": Tier("cpu", 64 * GB), "nvme": Tier("nvme", 2000 * GB)}
-    paths = {"d2h": Path("d2h", 25e9), "h2d": Path("h2d", 25e9), "nvme_write": Path("nvme_write", 3e9),
-             "nvme_read": Path("nvme_read", 5e9)}
-    return PlanProblem(layers, Machine(tiers, paths, 1 / 12e9, 1 / 1e12), workspace_bytes=2 * GB,
-                       checkpoint_bytes_per_step=GB)
-
-
 @pytest.mark.slow
-def test_solve_s_80_layers():
-    problem = llama_like_80_layers()
+@pytest.mark.parametrize("all_or_none", [False, True])
+def test_solve_s_80_layers(all_or_none):
+    problem = llama_like_80_layers(all_or_none)
     greedy = greedy_plan(problem)
     started = time.perf_counter()
     plan = solve(problem, time_limit_s=10, max_gap=0.01, warm_start=greedy)

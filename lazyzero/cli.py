@@ -1,4 +1,4 @@
-"""`lazyzero` command line: `train`, `plan`, `config check|reference`, `ops build|status`, `ckpt ls|verify|export`.
+"""`lazyzero` command line: `train`, `plan`, `profile`, `config check|reference`, `ops build|status`, `ckpt ls|verify|export`.
 
 Later capabilities (profile) add their own sub-commands here.
 """
@@ -61,96 +61,56 @@ def _train(args: argparse.Namespace, rest: list[str]) -> int:
     return train_main(rest)
 
 
-def _memory_size(text: str) -> int:
-    from lazyzero.config import parse_memory_size
+def _profile(args: argparse.Namespace) -> int:
+    import torch
 
+    from lazyzero.config import LazyZeroConfigError, load_ds_config_file
+    from lazyzero.data.tokenizer import load_tokenizer
+    from lazyzero.models import build_model
+    from lazyzero.planner.profile import ProfileFileError, ProfileSettings, load_or_profile
+    from lazyzero.planner.profile_report import profile_table
+
+    measured = []
     try:
-        return parse_memory_size(text)
-    except ValueError as error:
-        raise argparse.ArgumentTypeError(str(error)) from None
-
-
-def _plan(args: argparse.Namespace) -> int:
-    from rich.console import Console
-
-    from lazyzero.planner import PlanInfeasible, SolverFoundNoPlan, greedy_plan, solve
-    from lazyzero.planner.costs import problem_from_preset
-    from lazyzero.planner.report import baseline_step_times, plan_table
-
-    try:
-        problem = problem_from_preset(
-            args.model, gpu_mem=args.gpu_mem, cpu_mem=args.cpu_mem, nvme_path=args.nvme, seq=args.seq,
-            micro_batch=args.micro_batch, gpu_tflops=args.gpu_tflops, h2d_gbps=args.h2d_gbps,
-            d2h_gbps=args.d2h_gbps, nvme_read_gbps=args.nvme_read_gbps, nvme_write_gbps=args.nvme_write_gbps)
-    except (ValueError, OSError) as error:
-        print(f"lazyzero plan: {error}", file=sys.stderr)
+        ds_config = load_ds_config_file(args.deepspeed_config) if args.deepspeed_config else None
+        tokenizer = load_tokenizer(None)  # the byte tokenizer `lazyzero train` uses by default
+        model = build_model(args.model, family=args.family, vocab_size=tokenizer.vocab_size,
+                            dtype={"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype],
+                            max_positions=max(args.seq, 256))
+        profile = load_or_profile(args.out, model, micro_batch=args.micro_batch, seq_len=args.seq, nvme_path=args.nvme,
+                                  ds_config=ds_config, settings=ProfileSettings(repeats=args.repeats),
+                                  log=lambda line: (measured.append(line), print(line, file=sys.stderr)))
+    except (ValueError, OSError, LazyZeroConfigError, ProfileFileError) as error:
+        print(f"lazyzero profile: {error}", file=sys.stderr)
         return 2
-    try:
-        greedy = greedy_plan(problem)
-    except PlanInfeasible:
-        greedy = None  # the MILP may still find a plan; if not, it names the binding budget
-    try:
-        with Console(stderr=True).status(f"solving the MILP for {args.model} (time limit {args.time_limit:g} s)"):
-            plan = solve(problem, time_limit_s=args.time_limit, max_gap=args.max_gap, warm_start=greedy)
-    except PlanInfeasible as error:
-        print(f"lazyzero plan: infeasible budget for tier(s) {', '.join(error.tiers)}: {error}", file=sys.stderr)
-        return 2
-    except SolverFoundNoPlan as error:
-        print(f"lazyzero plan: {error}; try a longer --time-limit", file=sys.stderr)
-        return 1
-    print(plan_table(problem, plan), end="")
-    print("baselines (predicted step time):")
-    for name, result in baseline_step_times(problem, greedy).items():
-        print(f"  {name}: {result}")
-    _write_plan_outputs(args, problem, plan)
+    print(profile_table(profile), end="")
+    print(f"wrote {args.out}" if measured else f"reused {args.out} (same model, run shape and machine)")
     return 0
 
 
-def _write_plan_outputs(args: argparse.Namespace, problem, plan) -> None:
-    """DIR/plan.json, DIR/ds_config.json (the DeepSpeed config the plan implies), DIR/memory.png."""
-    import json
-    from pathlib import Path
-
-    from lazyzero.planner.report import DEFAULT_BASE_CONFIG, implied_ds_config, plot_memory
-
-    out = Path(args.out or f"plan-{args.model}")
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "plan.json").write_text(plan.to_json())
-    base = {**DEFAULT_BASE_CONFIG, "train_micro_batch_size_per_gpu": args.micro_batch}
-    # Absolute, so that the config means the same folder wherever training is started from.
-    nvme_path = None if args.nvme is None else str(Path(args.nvme).resolve())
-    ds_config = implied_ds_config(problem, plan, base, nvme_path=nvme_path)
-    (out / "ds_config.json").write_text(json.dumps(ds_config, indent=2) + "\n")
-    plot_memory(problem, plan, out / "memory.png")
-    print(f"wrote {out / 'plan.json'}, {out / 'ds_config.json'}, {out / 'memory.png'}")
-
-
-def _add_plan_command(sub) -> None:
-    from lazyzero.models.presets import PRESETS
-
-    plan = sub.add_parser("plan", help="plan memory placement and precision for a model preset (analytic costs)")
-    plan.add_argument("--model", required=True, choices=sorted(PRESETS), help="model preset")
-    plan.add_argument("--gpu-mem", required=True, type=_memory_size, help="GPU memory budget, e.g. 70GB")
-    plan.add_argument("--cpu-mem", type=_memory_size, default=None, help="host memory budget (default: total RAM)")
-    plan.add_argument("--nvme", metavar="PATH", default=None, help="folder on NVMe to spill to (its free space is the budget)")
-    plan.add_argument("--seq", type=int, default=4096, help="sequence length")
-    plan.add_argument("--micro-batch", type=int, default=1, help="micro-batch size per GPU")
-    plan.add_argument("--gpu-tflops", type=float, default=400, help="sustained bf16 TFLOP/s of the GPU")
-    plan.add_argument("--h2d-gbps", type=float, default=25, help="host-to-device GB/s")
-    plan.add_argument("--d2h-gbps", type=float, default=25, help="device-to-host GB/s")
-    plan.add_argument("--nvme-read-gbps", type=float, default=3, help="NVMe read GB/s")
-    plan.add_argument("--nvme-write-gbps", type=float, default=2, help="NVMe write GB/s")
-    plan.add_argument("--time-limit", type=float, default=10, help="MILP solver time limit in seconds")
-    plan.add_argument("--max-gap", type=float, default=0.01, help="relative optimality gap at which the solver stops")
-    plan.add_argument("--out", metavar="DIR", default=None, help="output folder (default: ./plan-PRESET)")
-    plan.set_defaults(func=_plan)
+def _add_profile_command(sub) -> None:
+    profile = sub.add_parser("profile", help="measure per-layer costs and machine speeds for the planner (cached in a file)")
+    profile.add_argument("--model", required=True, help="preset name, a config.json or a local checkpoint folder")
+    profile.add_argument("--family", default=None, choices=["llama", "qwen2", "mistral", "gpt2"],
+                         help="architecture for a preset (default llama)")
+    profile.add_argument("--micro-batch", type=int, required=True, help="micro-batch size per rank")
+    profile.add_argument("--seq", type=int, required=True, help="sequence length")
+    profile.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="parameter and activation dtype")
+    profile.add_argument("--nvme", metavar="PATH", default=None, help="folder whose NVMe write/read speed to measure")
+    profile.add_argument("--deepspeed_config", metavar="FILE", default=None, help="DeepSpeed config whose \"aio\" section to use")
+    profile.add_argument("--repeats", type=int, default=5, help="timed runs per measurement (the median is kept)")
+    profile.add_argument("--out", required=True, metavar="FILE", help="profile JSON (reused when model and machine match)")
+    profile.set_defaults(func=_profile)
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="lazyzero", description="DeepSpeed ZeRO, planned, quantized and checkpointed lazily.")
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("train", help="train a model (all arguments go to python -m lazyzero.train; see --help)", add_help=False)
-    _add_plan_command(sub)
+    from lazyzero.planner.plan_cli import add_plan_command
+
+    add_plan_command(sub)
+    _add_profile_command(sub)
 
     config = sub.add_parser("config", help="validate configs or print the config reference").add_subparsers(dest="action", required=True)
     check = config.add_parser("check", help="validate DeepSpeed JSON files with a \"lazyzero\" section")

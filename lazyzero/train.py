@@ -52,11 +52,24 @@ def check_args(args: argparse.Namespace) -> None:
         raise SystemExit(f"--resume: no checkpoint in {args.save_dir} (no 'latest' file); run without --resume to start fresh")
 
 
+def plan_for_sequence_length(ds_config: dict, seq_len: int) -> None:
+    """A planned run plans for the sequences it trains on: `lazyzero.plan.seq_len` defaults to
+    --seq-len, and a different value is a mistake (the plan would be made for other activations)."""
+    plan = ds_config.get("lazyzero", {}).get("plan")
+    if not isinstance(plan, dict) or plan.get("enabled") is not True:
+        return
+    given = plan.setdefault("seq_len", seq_len)
+    if given != seq_len:
+        raise SystemExit(f"lazyzero.plan.seq_len is {given!r} but --seq-len is {seq_len}; give the same length, "
+                         "or leave lazyzero.plan.seq_len out (it follows --seq-len)")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     check_args(args)
     try:
         ds_config = load_ds_config_file(args.deepspeed_config)
+        plan_for_sequence_length(ds_config, args.seq_len)
         validate_ds_config(ds_config)
     except LazyZeroConfigError as err:
         print(f"lazyzero: invalid config {args.deepspeed_config}:\n{err}", file=sys.stderr)
@@ -71,8 +84,12 @@ def main(argv: list[str] | None = None) -> int:
     trainer = Trainer(args, ds_config, inputs)
     try:
         trainer.run()
-    finally:
-        trainer.close()
+    except BaseException:
+        # No collective teardown: the other ranks may be inside a collective this rank left; exiting
+        # with the error makes the launcher stop them.
+        trainer.close_log()
+        raise
+    trainer.close()
     return 0
 
 

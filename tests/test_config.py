@@ -102,6 +102,27 @@ def test_int8_gradients_pass_the_release_gate():
     assert config.enabled_features() == ["gradients"]
 
 
+PLANNED = {"plan": {"enabled": True, "seq_len": 64}}
+
+
+@pytest.mark.parametrize("ds_settings, path, allowed", [
+    ({"zero_optimization": {"stage": 2}}, "zero_optimization.stage", "got 2; allowed: 3 while lazyzero.plan.enabled is true"),
+    ({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}},
+     "zero_optimization.offload_optimizer.device", "got 'cpu'; allowed: 'none' (or no section)"),
+    ({"zero_optimization": {"stage": 3}, "gradient_accumulation_steps": 4}, "gradient_accumulation_steps",
+     "got 4; allowed: 1 while lazyzero.plan.enabled is true"),
+])
+def test_an_enabled_plan_rejects_deepspeed_settings_it_would_overwrite(ds_settings, path, allowed):
+    with pytest.raises(LazyZeroConfigError) as caught:
+        validate_ds_config({**ds_settings, "lazyzero": PLANNED})
+    problem_line(caught.value, path, allowed)
+
+
+def test_an_enabled_plan_on_stage_3_with_a_sequence_length_is_accepted():
+    config = validate_ds_config({"zero_optimization": {"stage": 3}, "lazyzero": PLANNED})
+    assert config.enabled_features() == ["plan"] and config.plan.seq_len == 64
+
+
 def test_validation_does_not_modify_the_given_dict(workdir):
     ds_config = {"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}},
                  "lazyzero": {"plan": {"gpu_mem": "70GB"}, "optimizer": {"fp32_patterns": ["*bias*"]}}}
@@ -129,11 +150,11 @@ BAD_CONFIGS = [
      "allowed keys: host_buffer_limit, keep_last, max_in_flight, mode, verify_on_load, writer_threads"),
     ({"optimizer": {"Type": "none"}}, "lazyzero.optimizer.Type", "did you mean 'type'?"),
     # DeepSpeedConfigModel would swallow a key named "strict"; ours must not.
-    ({"plan": {"strict": True}}, "lazyzero.plan.strict", "unknown key; allowed keys: cpu_mem, enabled"),
+    ({"plan": {"strict": True}}, "lazyzero.plan.strict", "unknown key; allowed keys: allow_8bit_optimizer, allow_recompute"),
     # wrong types
     ([], "lazyzero", "allowed: an object with keys activations, checkpoint, gradients, optimizer, plan"),
     (None, "lazyzero", "got null; allowed: an object with keys activations"),
-    ({"plan": True}, "lazyzero.plan", "allowed: an object with keys cpu_mem, enabled, gpu_mem"),
+    ({"plan": True}, "lazyzero.plan", "allowed: an object with keys allow_8bit_optimizer, allow_recompute, allowed_bits"),
     ({"plan": {"enabled": "yes"}}, "lazyzero.plan.enabled", "got 'yes'; allowed: true or false"),
     ({"gradients": {"seed": 1.5}}, "lazyzero.gradients.seed", "got 1.5; allowed: an integer >= 0"),
     ({"checkpoint": {"writer_threads": "4"}}, "lazyzero.checkpoint.writer_threads", "got '4'; allowed: an integer from 1 to 64"),
@@ -149,6 +170,25 @@ BAD_CONFIGS = [
     ({"activations": {"default_bits": 2}}, "lazyzero.activations.default_bits", "got 2; allowed: one of 4, 8, 16"),
     ({"activations": {"attention_bits": 4}}, "lazyzero.activations.attention_bits", "allowed: one of 8, 16"),
     ({"activations": {"recompute_layers": [3, 3]}}, "lazyzero.activations.recompute_layers", "allowed: a list of distinct layer indices"),
+    ({"activations": {"offload_layers": {"03": "nvme"}}}, "lazyzero.activations.offload_layers['03']",
+     "got '03'; allowed: a layer index as a decimal string ('0', '3', ...)"),
+    ({"activations": {"offload_layers": {"layer1": "cpu"}}}, "lazyzero.activations.offload_layers['layer1']",
+     "allowed: a layer index as a decimal string"),
+    ({"activations": {"offload_layers": {"1": "disk"}}}, "lazyzero.activations.offload_layers['1']",
+     "got 'disk'; allowed: one of 'cpu', 'nvme'"),
+    ({"activations": {"offload_layers": ["1"]}}, "lazyzero.activations.offload_layers",
+     "allowed: an object mapping a layer index as a decimal string ('0', '3', ...) to one of 'cpu', 'nvme'"),
+    ({"activations": {"offload_prefetch_layers": -1}}, "lazyzero.activations.offload_prefetch_layers",
+     "got -1; allowed: an integer >= 0"),
+    # activation offload against the rest of its section
+    ({"activations": {"offload_layers": {"1": "cpu"}}}, "lazyzero.activations.offload_layers",
+     "got {\"1\": \"cpu\"}; allowed: {} while lazyzero.activations.enabled is false"),
+    ({"activations": {"enabled": True, "offload_layers": {"1": "cpu", "2": "cpu"}, "recompute_layers": [2, 1]}},
+     "lazyzero.activations.offload_layers", "not in lazyzero.activations.recompute_layers (a recomputed layer keeps "
+     "only its input, for the recompute); layers [1, 2] are in both"),
+    ({"activations": {"enabled": True, "offload_layers": {"2": "nvme"}}}, "lazyzero.activations.offload_nvme_path",
+     "got nothing; allowed: an existing directory this process can write to when a layer of "
+     "lazyzero.activations.offload_layers is 'nvme'"),
     ({"checkpoint": {"max_in_flight": 0}}, "lazyzero.checkpoint.max_in_flight", "got 0; allowed: an integer >= 1"),
     ({"gradients": {"quantize": "INT8"}}, "lazyzero.gradients.quantize", "got 'INT8'; allowed: one of 'none', 'int8'"),
     # bad memory sizes
@@ -160,10 +200,21 @@ BAD_CONFIGS = [
     # features whose runtime has not landed
     ({"gradients": {"error_feedback": True}}, "lazyzero.gradients.error_feedback",
      "got true; allowed: false while lazyzero.gradients.quantize is 'none'"),
-    ({"plan": {"enabled": True}}, "lazyzero.plan.enabled", "got true; not available in lazyzero 0.1.0 yet (issue 7); allowed now: false"),
+    # the planner's own settings, and what it decides in the user's stead
+    ({"plan": {"enabled": True}}, "lazyzero.plan.seq_len", "got nothing; allowed: an integer >= 1 (the sequence length"),
+    ({"plan": {"enabled": True, "seq_len": 64}, "activations": {"default_bits": 8}}, "lazyzero.activations.default_bits",
+     "got 8; allowed: absent (conflict with the DeepSpeed settings around it: the planner sets it when lazyzero.plan.enabled"),
+    ({"plan": {"enabled": True, "seq_len": 64}, "optimizer": {"type": "adamw8bit"}}, "lazyzero.optimizer.type",
+     "the planner sets it when lazyzero.plan.enabled is true; remove it, or switch the planner off"),
+    ({"plan": {"allowed_bits": [16, 2]}}, "lazyzero.plan.allowed_bits[1]", "got 2; allowed: one of 4, 8, 16"),
+    ({"plan": {"measure_steps": 0}}, "lazyzero.plan.measure_steps", "got 0; allowed: an integer >= 1"),
     # lazyzero paths on this machine
     ({"plan": {"nvme_path": "{tmp}/missing/deeper"}}, "lazyzero.plan.nvme_path", "allowed: an existing directory this process can write to (it does not exist"),
     ({"plan": {"nvme_path": "{tmp}/a_file"}}, "lazyzero.plan.nvme_path", "(it is not a directory)"),
+    ({"activations": {"enabled": True, "offload_layers": {"0": "nvme"}, "offload_nvme_path": "{tmp}/missing"}},
+     "lazyzero.activations.offload_nvme_path", "allowed: an existing directory this process can write to (it does not exist"),
+    ({"activations": {"enabled": True, "offload_layers": {"0": "nvme"}, "offload_nvme_path": "{tmp}/a_file"}},
+     "lazyzero.activations.offload_nvme_path", "(it is not a directory)"),
 ]
 
 
@@ -237,7 +288,8 @@ def test_eight_bit_optimizer_over_adamw_with_cpu_offload_is_accepted():
                         "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}})
 
 
-def test_read_only_nvme_path_is_rejected(tmp_path):
+@pytest.mark.parametrize("key_path", ["zero_optimization.offload_param.nvme_path", "lazyzero.activations.offload_nvme_path"])
+def test_read_only_nvme_path_is_rejected(tmp_path, key_path):
     if os.geteuid() != 0:
         read_only = tmp_path / "read_only"
         read_only.mkdir()
@@ -247,11 +299,27 @@ def test_read_only_nvme_path_is_rejected(tmp_path):
         read_only = "/proc/sys"
     else:
         pytest.skip("running as root with no read-only mount at /proc/sys: os.access reports every directory writable")
-    ds_config = {"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": str(read_only)}}}
+    ds_configs = {
+        "zero_optimization.offload_param.nvme_path":
+            {"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": str(read_only)}}},
+        "lazyzero.activations.offload_nvme_path":
+            {"lazyzero": {"activations": {"enabled": True, "offload_layers": {"1": "nvme"},
+                                          "offload_nvme_path": str(read_only)}}},
+    }
     with pytest.raises(LazyZeroConfigError) as caught:
-        validate_ds_config(ds_config)
-    problem_line(caught.value, "zero_optimization.offload_param.nvme_path", f"got '{read_only}'; allowed: an existing directory"
+        validate_ds_config(ds_configs[key_path])
+    problem_line(caught.value, key_path, f"got '{read_only}'; allowed: an existing directory"
                  " this process can write to (this process may not write to it)")
+
+
+def test_activation_offload_takes_layer_indices_as_json_object_keys(workdir):
+    config = validate_ds_config({"lazyzero": {"activations": {
+        "enabled": True, "offload_layers": {"0": "cpu", "12": "nvme"}, "offload_nvme_path": str(workdir),
+        "offload_prefetch_layers": 2}}})
+    assert config.activations.offload_layers == {0: "cpu", 12: "nvme"}
+    assert config.activations.offload_prefetch_layers == 2
+    # A "cpu" layer needs no folder: on a machine without CUDA it simply stays in host memory.
+    assert validate_ds_config({"lazyzero": {"activations": {"enabled": True, "offload_layers": {"3": "cpu"}}}})
 
 
 def test_every_problem_is_listed_one_per_line_under_a_count():

@@ -36,7 +36,7 @@ def _quick_start_commands() -> list[str]:
 def test_quick_start_is_exactly_two_commands():
     commands = _quick_start_commands()
     assert len(commands) == 2 and all("\n" not in c for c in commands)
-    assert "ds_configs/cpu_demo.json" in commands[0] and "--num_gpus 2" in commands[0]
+    assert "ds_configs/cpu_demo_planned.json" in commands[0] and "--num_gpus 2" in commands[0]
     assert "pytest" in commands[1]
 
 

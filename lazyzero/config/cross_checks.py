@@ -10,6 +10,7 @@ from typing import Any, Optional
 
 from lazyzero.config.errors import Problem
 from lazyzero.config.models import LazyZeroConfig
+from lazyzero.config.plan_checks import plan_problems
 
 WRITABLE_DIRECTORY = "an existing directory this process can write to"
 ZERO_STAGES = (0, 1, 2, 3)
@@ -45,6 +46,7 @@ def lazyzero_against_deepspeed_problems(config: LazyZeroConfig, ds_config: dict,
     problems += _gradient_conflicts(config, ds_config, world_size)
     problems += _activation_conflicts(config, ds_config)
     problems += _checkpoint_conflicts(config, ds_config)
+    problems += plan_problems(config, ds_config)
     return problems
 
 
@@ -152,15 +154,39 @@ def _gradient_conflicts(config: LazyZeroConfig, ds_config: dict, world_size: Opt
 
 
 def _activation_conflicts(config: LazyZeroConfig, ds_config: dict) -> list[Problem]:
+    problems = _activation_offload_problems(config.activations)
     checkpointing = ds_config.get("activation_checkpointing")
     if not config.activations.enabled or not isinstance(checkpointing, dict):
-        return []
+        return problems
     if checkpointing.get("cpu_checkpointing") is not True:
-        return []
-    return [Problem.conflict(
+        return problems
+    return problems + [Problem.conflict(
         "activation_checkpointing.cpu_checkpointing", True, "false while lazyzero.activations.enabled is true",
         "lazyzero's hooks already decide where saved activations live, and DeepSpeed's CPU "
         "checkpointing breaks backward on the CPU accelerator")]
+
+
+def _activation_offload_problems(activations) -> list[Problem]:
+    """`offload_layers` against the rest of the section, and its NVMe folder (RELIABILITY row 11)."""
+    path = "lazyzero.activations"
+    offload = activations.offload_layers
+    problems = []
+    if offload and not activations.enabled:
+        problems.append(Problem.bad_value(
+            f"{path}.offload_layers", offload,
+            f"{{}} while {path}.enabled is false (the offload moves what the activation hooks store)"))
+    recomputed = sorted(set(offload) & set(activations.recompute_layers))
+    if recomputed:
+        problems.append(Problem.bad_value(
+            f"{path}.offload_layers", offload,
+            f"layers that are not in {path}.recompute_layers (a recomputed layer keeps only its input, for the "
+            f"recompute); layers {recomputed} are in both"))
+    if "nvme" in offload.values() and activations.offload_nvme_path is None:
+        problems.append(Problem.missing(f"{path}.offload_nvme_path",
+                                        f"{WRITABLE_DIRECTORY} when a layer of {path}.offload_layers is 'nvme'"))
+    if activations.offload_nvme_path is not None:
+        problems += _directory_problems(f"{path}.offload_nvme_path", activations.offload_nvme_path)
+    return problems
 
 
 def _checkpoint_conflicts(config: LazyZeroConfig, ds_config: dict) -> list[Problem]:

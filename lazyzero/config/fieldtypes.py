@@ -6,6 +6,7 @@ in the README, so both are derived from the type annotations and can never disag
 
 from __future__ import annotations
 
+import re
 import types
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal, Union, get_args, get_origin
@@ -51,6 +52,26 @@ def _check_distinct(values: list) -> list:
 
 LayerIndices = Annotated[list[Annotated[int, Field(ge=0)]], AfterValidator(_check_distinct),
                          Described("a list of distinct layer indices (integers >= 0)")]
+
+
+_DECIMAL_INDEX = re.compile(r"0|[1-9][0-9]*")
+LAYER_KEY_ALLOWED = "a layer index as a decimal string ('0', '3', ...)"
+
+
+def _parse_layer_key(value: Any) -> int:
+    """A layer index from a JSON object key ("3"); Python callers (the planner) may pass the int itself.
+
+    Only the canonical spelling is accepted: "03" or " 3" next to "3" would name one layer twice.
+    """
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return value
+    if isinstance(value, str) and _DECIMAL_INDEX.fullmatch(value):
+        return int(value)
+    raise ValueError(f"{value!r} is not a layer index; allowed: {LAYER_KEY_ALLOWED}")
+
+
+LayerKey = Annotated[int, BeforeValidator(_parse_layer_key), Described(LAYER_KEY_ALLOWED)]
+"""A decoder-layer index used as an object key (JSON keys are strings)."""
 
 
 def describe_allowed(annotation: Any, metadata: tuple = ()) -> str:

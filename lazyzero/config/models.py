@@ -17,7 +17,7 @@ from typing import Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from lazyzero.config.fieldtypes import LayerIndices, MemorySize, NonEmptyStr, PowerOfTwo
+from lazyzero.config.fieldtypes import LayerIndices, LayerKey, MemorySize, NonEmptyStr, PowerOfTwo
 
 
 class ConfigSection(BaseModel):
@@ -36,16 +36,31 @@ class PlanConfig(ConfigSection):
     """MILP memory planner: where each tensor lives (GPU, CPU, NVMe) and at what precision."""
 
     enabled: bool = False
-    """Let the planner choose placement and precision per layer within the budgets below."""
+    """Let the planner choose placement and precision per layer within the budgets below (needs ZeRO stage 3 and `seq_len`)."""
+
+    seq_len: Optional[int] = Field(None, ge=1)
+    """Tokens per training sequence: the planner profiles and plans micro-batches of this shape. Required with `enabled`."""
 
     gpu_mem: Optional[MemorySize] = None
-    """GPU memory budget per rank. null: the device's total memory."""
+    """GPU memory budget per rank. null: the device's total memory. Not allowed on a machine without CUDA."""
 
     cpu_mem: Optional[MemorySize] = None
-    """CPU memory budget per node, shared by its ranks. null: the machine's total memory."""
+    """CPU memory budget per node, shared by its ranks (on a machine without a GPU, the memory training computes in). null: the machine's total memory."""
 
     nvme_path: Optional[NonEmptyStr] = None
     """Existing, writable folder the planner may spill tensors to. null: no NVMe tier."""
+
+    memory_reserve: float = Field(0.1, ge=0, lt=1)
+    """Share of the compute-memory budget left unplanned, for what the planner's memory model does not see (library buffers, allocator slack): the predicted peak stays under (1 - memory_reserve) x the budget."""
+
+    allowed_bits: list[Literal[4, 8, 16]] = Field(default_factory=lambda: [16, 8, 4], min_length=1)
+    """Widths the planner may store saved activations at (16 keeps them as saved)."""
+
+    allow_recompute: bool = True
+    """Let the planner recompute whole layers in backward instead of storing their activations."""
+
+    allow_8bit_optimizer: bool = True
+    """Let the planner give layers 8-bit Adam states (lazyzero's AdamW8bit/Adam8bit) instead of fp32."""
 
     time_limit_s: float = Field(10.0, gt=0)
     """Wall-clock limit of the MILP solver in seconds; the best plan found by then is used."""
@@ -54,10 +69,22 @@ class PlanConfig(ConfigSection):
     """Relative optimality gap at which the solver stops (0.01: within 1% of the optimum)."""
 
     profile_path: Optional[NonEmptyStr] = None
-    """Per-layer memory and time profile to plan from. null: profile the first training steps."""
+    """Profile file (`lazyzero profile`): reused when model, run shape and machine match, else measured at start and written there. null: measured at start, kept in ~/.cache/lazyzero/profiles."""
+
+    plan_path: Optional[NonEmptyStr] = None
+    """A plan.json (from `lazyzero plan --profile`, or a planned run's `output_dir`) to apply instead of solving at start; it must fit this model and these budgets. null: solve."""
+
+    output_dir: Optional[NonEmptyStr] = None
+    """Folder where rank 0 writes plan.json, the DeepSpeed config the plan implies and memory.png at start. null: not written (the plan is printed)."""
+
+    measure_steps: int = Field(3, ge=1)
+    """Optimizer steps, after the first, over which measured step time and peak memory are compared with the prediction."""
+
+    replan: bool = True
+    """Plan again, with the measurements, when they differ from the prediction by more than `replan_margin` (activation choices only: placements are fixed once DeepSpeed is built)."""
 
     replan_margin: float = Field(0.15, gt=0)
-    """Replan when measured peak memory exceeds the planned peak by more than this fraction."""
+    """Relative difference between measured and predicted step time or peak memory that triggers a new plan."""
 
 
 class ActivationsConfig(ConfigSection):
@@ -89,6 +116,15 @@ class ActivationsConfig(ConfigSection):
 
     recompute_elementwise: bool = True
     """In quantized modules, store only what cheap elementwise work cannot rebuild: norms keep just their input, gated MLPs drop act(gate) and the product (rebuilt in backward, no extra matmul)."""
+
+    offload_layers: dict[LayerKey, Literal["cpu", "nvme"]] = Field(default_factory=dict)
+    """Layers whose stored activations (packed, or kept at 16 bits) leave the device right after they are saved and are read back ahead of their backward: layer index -> "cpu" (pinned host memory; on a machine without CUDA they already are in host memory and stay there) or "nvme" (files under `offload_nvme_path`). Not for layers in `recompute_layers`."""
+
+    offload_nvme_path: Optional[NonEmptyStr] = None
+    """Existing, writable folder for the files of the "nvme" layers (one sub-folder per rank and process, removed when training ends); required when a layer says "nvme"."""
+
+    offload_prefetch_layers: int = Field(1, ge=0)
+    """How far ahead backward reads offloaded activations: when layer j's backward starts, the reads of layer j (those not asked yet) and of layers j-1 to j-N start. 0: each tensor is read when backward needs it."""
 
 
 class GradientsConfig(ConfigSection):

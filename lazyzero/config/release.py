@@ -11,9 +11,7 @@ from lazyzero.config.errors import Problem, render_value
 from lazyzero.config.models import LazyZeroConfig
 
 # key path inside the "lazyzero" section -> (the only value allowed for now, issue that implements it)
-NOT_YET_AVAILABLE = {
-    "plan.enabled": (False, 7),
-}
+NOT_YET_AVAILABLE: dict[str, tuple[object, int]] = {}
 
 
 def release_gate_problems(config: LazyZeroConfig) -> list[Problem]:

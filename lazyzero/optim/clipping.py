@@ -90,7 +90,9 @@ def _stage_1_2_norm(zero_optimizer) -> torch.Tensor:
 
 def _stage_3_norm(zero_optimizer) -> torch.Tensor:
     if zero_optimizer.offload_optimizer:
-        params = [p for group in zero_optimizer.fp16_groups for p in group]
+        # The parameters' own order, not the sub-groups': per-layer NVMe placement (zero_placement.py)
+        # reorders sub-groups, and an fp64 sum in another order can differ in the last bit.
+        params = [p for group in zero_optimizer.trainable_param_groups for p in group["params"]]
         return norm_from_offload_copies(zero_optimizer, params, zero_optimizer.dp_process_group)
     gradients = [grad for grads in zero_optimizer.averaged_gradients.values() for grad in (grads or [])]
     return global_grad_norm(gradients, group=zero_optimizer.dp_process_group)

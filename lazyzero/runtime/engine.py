@@ -8,36 +8,43 @@ as their issues land.
 
 from __future__ import annotations
 
+import json
 import os
 from contextlib import nullcontext
 
 from deepspeed.runtime.engine import DeepSpeedEngine
 from deepspeed.utils.logging import print_dist
 
-from lazyzero.config import LazyZeroConfig
+from lazyzero.config import ActivationsConfig, LazyZeroConfig
+from lazyzero.config.plan_checks import PLANNED_FIELDS
 from lazyzero.runtime import checkpointing, optimizer_reshard, optimizer_setup
 from lazyzero.runtime.activation_setup import ActivationMemory
 from lazyzero.runtime.grad_exchange_hooks import install_int8_gradients
 from lazyzero.runtime.nvme_8bit_swap import eight_bit_state_swapping
 from lazyzero.runtime.nvme_restore import replay_cpu_adam_after_load, restore_nvme_offloaded_state
+from lazyzero.runtime.plan_monitor import PlanMonitor
+from lazyzero.runtime.plan_setup import planned_zero_placement
 
 
 class LazyZeroEngine(DeepSpeedEngine):
     """A DeepSpeedEngine that also carries the validated `"lazyzero"` config section."""
 
-    def __init__(self, *args, lazyzero_config: LazyZeroConfig, **kwargs):
+    def __init__(self, *args, lazyzero_config: LazyZeroConfig, active_plan=None, **kwargs):
         # Set before DeepSpeed's constructor: its configure hooks, which our overrides will
         # extend, run inside it and need to know which features are on.
         self.lazyzero_config = lazyzero_config
+        self.active_plan = active_plan
         optimizer_setup.check_optimizer_source(lazyzero_config, kwargs.get("optimizer"), kwargs.get("config_class"))
         super().__init__(*args, **kwargs)
         self._gradient_exchange = None
         self._activation_memory = None
         if lazyzero_config.activations.enabled:
-            self._activation_memory = ActivationMemory(self.module, lazyzero_config.activations)
+            self._activation_memory = ActivationMemory(self.module, lazyzero_config.activations,
+                                                       aio_config=self._config.aio_config)
         if lazyzero_config.gradients.quantize == "int8":
             # Installed after construction: no gradient is reduced before the first backward.
             self._gradient_exchange = install_int8_gradients(self)
+        self._plan_monitor = PlanMonitor(active_plan) if active_plan is not None else None
         features = lazyzero_config.enabled_features()
         print_dist(f"lazyzero: features on: {', '.join(features) if features else 'none'}", ranks=[0])
 
@@ -57,6 +64,8 @@ class LazyZeroEngine(DeepSpeedEngine):
         NVMe at that moment are not counted).
         """
         metrics = {}
+        if self._plan_monitor is not None:
+            metrics.update(self._plan_monitor.step_metrics())
         if self._activation_memory is not None:
             metrics.update(self._activation_memory.step_metrics())
         if self.uses_8bit_optimizer:
@@ -71,8 +80,37 @@ class LazyZeroEngine(DeepSpeedEngine):
         return metrics
 
     def lazyzero_report(self) -> dict:
-        """What lazyzero features add to the run report: saved-activation bytes per layer (last step)."""
-        return self._activation_memory.report() if self._activation_memory is not None else {}
+        """What lazyzero features add to the run report: saved-activation bytes per layer (last step),
+        and with the planner the plan and every comparison of measured with predicted."""
+        report = self._activation_memory.report() if self._activation_memory is not None else {}
+        if self._plan_monitor is not None:
+            report.update(self._plan_monitor.report(), plan=json.loads(self.active_plan.plan.to_json()))
+        if hasattr(self.optimizer, "tier_report"):
+            report["zero_placement"] = self.optimizer.tier_report()
+        return report
+
+    # --- the memory planner (lazyzero/runtime/plan_setup.py, plan_monitor.py) ----------------------
+
+    def step(self, lr_kwargs=None):
+        steps_before = self.global_steps
+        result = super().step(lr_kwargs)
+        if self._plan_monitor is not None and self.global_steps != steps_before:
+            self._plan_monitor.after_optimizer_step(self)
+        return result
+
+    def apply_activation_plan(self, section: dict | None) -> None:
+        """Replace the saved-activation setup by `section` (an activations config section from a new
+        plan; None: store everything as autograd saves it). Called between optimizer steps."""
+        if self._activation_memory is not None:
+            self._activation_memory.close()
+            self._activation_memory = None
+        # The user's own settings (block size, rounding, attention and norm widths) stay.
+        kept = {name: value for name, value in self.lazyzero_config.activations.model_dump().items()
+                if name not in PLANNED_FIELDS["activations"]}
+        settings = ActivationsConfig(**{**kept, **(section or {})})
+        self.lazyzero_config.activations = settings
+        if settings.enabled:
+            self._activation_memory = ActivationMemory(self.module, settings, aio_config=self._config.aio_config)
 
     # --- saved activations (lazyzero/runtime/activation_setup.py) ---------------------------------
 
@@ -95,7 +133,9 @@ class LazyZeroEngine(DeepSpeedEngine):
 
     def _configure_zero_optimizer(self, optimizer):
         # ZeRO-3 builds its NVMe optimizer swapper inside; 8-bit states need ours (nvme_8bit_swap.py).
-        with eight_bit_state_swapping() if self.uses_8bit_optimizer else nullcontext():
+        # A plan may swap only some layers' optimizer state (zero_placement.py).
+        with eight_bit_state_swapping() if self.uses_8bit_optimizer else nullcontext(), \
+                planned_zero_placement(self):
             zero_optimizer = super()._configure_zero_optimizer(optimizer)
         if self._fused_clipping:
             optimizer_setup.install_fused_clipping(self, zero_optimizer)
@@ -189,6 +229,8 @@ class LazyZeroEngine(DeepSpeedEngine):
     def destroy(self):
         if self.lazy_checkpoints and getattr(self, "checkpoint_engine", None) is not None:
             self.checkpoint_engine.close()
+        if getattr(self, "_activation_memory", None) is not None:
+            self._activation_memory.close()
         super().destroy()
 
     def _keeps_rank_state(self) -> bool:

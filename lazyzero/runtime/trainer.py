@@ -117,6 +117,10 @@ class Trainer:
         with self._whole_params_if_small():
             result = exact_match_accuracy(self.engine.module, self.tokenizer, shard,
                                           max_new_tokens=self.args.eval_max_new_tokens, batch_size=len(shard))
+            # Decoding still runs ZeRO-3's module hooks: where parameters are released after each
+            # use (stage3_max_reuse_distance 0, as the planner sets it) they gather them again, and
+            # a prefetch may still be in flight here, which the gather's exit cannot partition.
+            self.engine.empty_partition_cache()
         correct, total = self._sum_over_ranks(torch.tensor([result.correct, result.total], dtype=torch.float64))
         return correct / total
 
@@ -162,9 +166,12 @@ class Trainer:
         json_path, png_path = write_run_report(self.output_dir, summary, records)
         print(f"lazyzero: report {json_path} and {png_path}; eval accuracy {acc_before} -> {acc_after}")
 
-    def close(self) -> None:
+    def close_log(self) -> None:
         if self.log is not None:
             self.log.close()
+
+    def close(self) -> None:
+        self.close_log()
         # The barrier waits for collectives still in flight (ZeRO-3 prefetches) before teardown.
         self.dist.barrier()
         self.engine.destroy()

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import torch
 
+from lazyzero.planner.profile_machine import device_name
+
 
 def parse_args(description: str) -> argparse.Namespace:
     """--quick (fewer repeats, for CI and smoke runs) and --out F.json (where results go)."""
@@ -64,15 +66,6 @@ def gbps(bytes_moved: int, seconds: float) -> float:
     return bytes_moved / seconds / 1e9
 
 
-def cpu_model() -> str:
-    cpuinfo = Path("/proc/cpuinfo")
-    if cpuinfo.is_file():
-        for line in cpuinfo.read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return platform.processor() or platform.machine()
-
-
 def machine_info() -> dict[str, object]:
     """What the numbers depend on: versions, threads, CPU (and GPU when there is one)."""
     info: dict[str, object] = {
@@ -80,7 +73,7 @@ def machine_info() -> dict[str, object]:
         "python": platform.python_version(),
         "threads": torch.get_num_threads(),
         "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
-        "cpu_model": cpu_model(),
+        "cpu_model": device_name(torch.device("cpu")),
         "cpu_count": os.cpu_count(),
     }
     if torch.cuda.is_available():

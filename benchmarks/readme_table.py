@@ -33,6 +33,10 @@ TARGETS = {
     "bench_activations_convergence": {"loss_ratio": ("<=", 1.03)},
     "bench_optim": {"speed_ratio_vs_ds_cpu_adam": (">=", 1.0), "speed_ratio_vs_torch_adamw": (">=", 3.0),
                     "state_bytes_per_param": ("<=", 2.1), "clip_overhead": ("<=", 1.05)},
+    "bench_planner": {"solve_s_80_layers": ("<=", 10.0), "gap_80_layers": ("<=", 0.01),
+                      "pred_error_step_time": ("<=", 0.15), "pred_error_peak_mem": ("<=", 0.15),
+                      "speedup_vs_fixed_rule": (">=", 1.24), "speedup_vs_deepspeed_default": (">=", 1.24),
+                      "peak_over_budget_planned": ("<=", 1.1)},
 }
 _COMPARE = {">=": operator.ge, "<=": operator.le}
 

@@ -1,0 +1,165 @@
+"""The memory planner against its baselines under one host-memory budget (issue 7).
+
+    python benchmarks/bench_planner.py --quick --out benchmarks/results/bench_planner.json
+
+1. `solve_s_80_layers`: the MILP on an 80-layer instance (`lazyzero.planner.instances`), with its gap.
+2. One model whose full training state does not fit the budget (a 103M-parameter Llama in bf16 on 2
+   CPU ranks, ZeRO-3) is trained three times by `lazyzero train`, each under the same per-rank budget
+   and allocator settings (`lazyzero.runtime.host_memory`):
+   - lazyzero's plan (`"plan": {"enabled": true}`: profiled at start, solved, applied, compared with
+     what the run measures after 3 steps and planned again if off by more than 15%);
+   - LazyTrain's fixed rule (every 4th layer keeps its activations, offloaded, the others recompute;
+     parameters and fp32 optimizer state offloaded: to NVMe on this machine, which has no other tier);
+   - DeepSpeed's default ZeRO-Infinity offload (parameters and fp32 optimizer state on NVMe, nothing
+     recomputed), plain DeepSpeed settings and no lazyzero feature.
+   The baselines' configs are what `lazyzero.planner.implied` makes of `fixed_rule_plan` and
+   `deepspeed_default_plan` for the planned run's own problem (same profile, same budget).
+Keys: `pred_error_step_time` and `pred_error_peak_mem` (|measured / predicted - 1| of the first plan,
+before any measurement of this run; `*_replanned` the same for the plan in force at the last
+comparison), `speedup_vs_fixed_rule` and `speedup_vs_deepspeed_default` (baseline median step time
+over the plan's, steps after the warm-up and the re-planning), and each run's peak resident set
+(whole process lifetime, profiling included) over the budget.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+
+from common import write_results
+
+from lazyzero.testing import run_distributed
+
+ROOT = Path(__file__).resolve().parents[1]
+RANKS = 2
+MODEL = {"model_type": "llama", "hidden_size": 1024, "intermediate_size": 2816, "num_hidden_layers": 8,
+         "num_attention_heads": 16, "num_key_value_heads": 16, "max_position_embeddings": 512}
+SEQ_LEN, MICRO_BATCH = 256, 2
+BUDGET_PER_RANK = 1_350_000_000
+WARMUP_STEPS = 2
+# A planned run compares after steps 2-4 and may plan again; its steps from here on are timed.
+PLANNED_STEADY_FROM = 9
+# The allocator settings lazyzero applies for a planned run (lazyzero/runtime/host_memory.py), given
+# to every run so that the baselines are measured with the same allocator.
+ALLOCATOR_ENV = {"MALLOC_MMAP_THRESHOLD_": "262144", "MALLOC_TRIM_THRESHOLD_": "1048576", "MALLOC_ARENA_MAX": "2"}
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer training steps per run")
+    parser.add_argument("--out", type=Path, help="write the results as JSON to this file")
+    parser.add_argument("--work", type=Path, default=ROOT / "runs" / "bench_planner", help="runs and configs go here")
+    parser.add_argument("--nvme", default="/var/tmp", help="NVMe folder for every run")
+    return parser.parse_args()
+
+
+def base_config(nvme: str, work: Path) -> dict:
+    return {
+        "train_micro_batch_size_per_gpu": MICRO_BATCH, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
+        "bf16": {"enabled": True},
+        "optimizer": {"type": "AdamW", "params": {"lr": 3e-4, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.01,
+                                                 "torch_adam": True}},
+        "zero_optimization": {"stage": 3},
+        "aio": {"block_size": 1048576, "queue_depth": 8, "intra_op_parallelism": 1, "single_submit": False,
+                "overlap_events": True},
+        "steps_per_print": 10**9,
+    }
+
+
+def planned_config(nvme: str, work: Path) -> dict:
+    config = base_config(nvme, work)
+    config["lazyzero"] = {"plan": {"enabled": True, "seq_len": SEQ_LEN, "cpu_mem": RANKS * BUDGET_PER_RANK,
+                                   "nvme_path": nvme, "profile_path": str(work / "profile.json"),
+                                   "output_dir": str(work / "plan")}}
+    return config
+
+
+def train(name: str, config: dict, work: Path, steps: int) -> list[dict]:
+    folder = work / name
+    folder.mkdir(parents=True, exist_ok=True)
+    config_path = folder / "ds_config.json"
+    config_path.write_text(json.dumps(config, indent=1))
+    argv = ["--module", "lazyzero.train", "--deepspeed_config", str(config_path), "--model", str(work / "model.json"),
+            "--seq-len", str(SEQ_LEN), "--max-steps", str(steps), "--eval-problems", "0", "--output-dir", str(folder)]
+    print(f"[bench_planner] {name}: {steps} steps", flush=True)
+    started = time.perf_counter()
+    proc = run_distributed("deepspeed", RANKS, argv, timeout=3600, cwd=ROOT, env=ALLOCATOR_ENV)
+    (folder / "output.txt").write_text(proc.stdout)
+    if proc.returncode != 0:
+        raise SystemExit(f"{name} failed (see {folder / 'output.txt'}):\n{proc.stdout[-4000:]}")
+    print(f"[bench_planner] {name}: done in {time.perf_counter() - started:.0f} s", flush=True)
+    return [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+
+
+def median_step_s(records: list[dict], first: int = WARMUP_STEPS) -> float:
+    return statistics.median(r["step_time_s"] for r in records[first:])
+
+
+def baseline_configs(work: Path, nvme: str) -> dict[str, dict]:
+    """The fixed rule's and DeepSpeed default's configs for the planned run's own problem."""
+    from lazyzero.config import PlanConfig
+    from lazyzero.planner import deepspeed_default_plan, fixed_rule_plan
+    from lazyzero.planner.implied import implied_setup
+    from lazyzero.planner.problem_from_profile import problem_for_config
+    from lazyzero.planner.profile import read_profile
+    from lazyzero.planner.report import FIXED_RULE_K
+
+    planned = planned_config(nvme, work)
+    settings = PlanConfig(**planned["lazyzero"]["plan"])
+    problem, sizes = problem_for_config(read_profile(work / "profile.json"), planned, settings, RANKS, RANKS)
+    configs = {}
+    for name, plan in (("fixed_rule", fixed_rule_plan(problem, FIXED_RULE_K)),
+                       ("deepspeed_default", deepspeed_default_plan(problem))):
+        configs[name] = implied_setup(problem, plan, base=base_config(nvme, work), nvme_path=nvme, sizes=sizes).ds_config
+    return configs
+
+
+def solve_80_layers() -> dict:
+    """The 80-layer instance as written, and with DeepSpeed's all-or-none offload rule."""
+    from lazyzero.planner import solve
+    from lazyzero.planner.instances import llama_like_80_layers
+
+    results = {}
+    for suffix, all_or_none in (("", False), ("_all_or_none", True)):
+        started = time.perf_counter()
+        plan = solve(llama_like_80_layers(all_or_none), time_limit_s=10, max_gap=0.01)
+        results[f"solve_s_80_layers{suffix}"] = time.perf_counter() - started
+        results[f"gap_80_layers{suffix}"] = plan.gap
+    return results
+
+
+def main() -> None:
+    args = parse_args()
+    steps = 14 if args.quick else 24
+    args.work.mkdir(parents=True, exist_ok=True)
+    (args.work / "model.json").write_text(json.dumps({**MODEL, "vocab_size": 259}))
+    results = solve_80_layers()
+    runs = {"planned": train("planned", planned_config(args.nvme, args.work), args.work, steps)}
+    for name, config in baseline_configs(args.work, args.nvme).items():
+        runs[name] = train(name, config, args.work, steps)
+    report = json.loads((args.work / "planned" / "report.json").read_text())
+    plan, checks = report["plan"], report["plan_checks"]
+    step_s = {name: median_step_s(records, PLANNED_STEADY_FROM if name == "planned" else WARMUP_STEPS)
+              for name, records in runs.items()}
+    peak = {name: max(r["peak_mem_bytes"] for r in records) for name, records in runs.items()}
+    first, last = checks[0], checks[-1]
+    results.update(
+        pred_error_step_time=abs(first["step_time_error"]), pred_error_peak_mem=abs(first["peak_error"]),
+        pred_error_step_time_replanned=abs(last["step_time_error"]), pred_error_peak_mem_replanned=abs(last["peak_error"]),
+        speedup_vs_fixed_rule=step_s["fixed_rule"] / step_s["planned"],
+        speedup_vs_deepspeed_default=step_s["deepspeed_default"] / step_s["planned"],
+        peak_over_budget_planned=peak["planned"] / BUDGET_PER_RANK)
+    details = {"step_s": step_s, "peak_rss_bytes": peak, "budget_per_rank_bytes": BUDGET_PER_RANK,
+               "plan_layers": plan["layers"], "plan_checks": checks,
+               "peak_over_budget": {name: value / BUDGET_PER_RANK for name, value in peak.items()},
+               "model": MODEL, "seq_len": SEQ_LEN, "micro_batch": MICRO_BATCH, "steps": steps, "ranks": RANKS}
+    write_results(args.out, "bench_planner", args.quick, results, details)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    main()

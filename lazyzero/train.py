@@ -52,16 +52,21 @@ def check_args(args: argparse.Namespace) -> None:
         raise SystemExit(f"--resume: no checkpoint in {args.save_dir} (no 'latest' file); run without --resume to start fresh")
 
 
-def plan_for_sequence_length(ds_config: dict, seq_len: int) -> None:
+def plan_for_the_run(ds_config: dict, seq_len: int, save_every: int) -> None:
     """A planned run plans for the sequences it trains on: `lazyzero.plan.seq_len` defaults to
-    --seq-len, and a different value is a mistake (the plan would be made for other activations)."""
-    plan = ds_config.get("lazyzero", {}).get("plan")
+    --seq-len, and a different value is a mistake (the plan would be made for other activations).
+    With lazy checkpoints, `lazyzero.plan.checkpoint_every` defaults to --save-every."""
+    section = ds_config.get("lazyzero", {})
+    plan = section.get("plan")
     if not isinstance(plan, dict) or plan.get("enabled") is not True:
         return
     given = plan.setdefault("seq_len", seq_len)
     if given != seq_len:
         raise SystemExit(f"lazyzero.plan.seq_len is {given!r} but --seq-len is {seq_len}; give the same length, "
                          "or leave lazyzero.plan.seq_len out (it follows --seq-len)")
+    lazy = (section.get("checkpoint") or {}).get("mode") == "lazy"
+    if save_every and lazy:
+        plan.setdefault("checkpoint_every", save_every)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -69,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     check_args(args)
     try:
         ds_config = load_ds_config_file(args.deepspeed_config)
-        plan_for_sequence_length(ds_config, args.seq_len)
+        plan_for_the_run(ds_config, args.seq_len, args.save_every)
         validate_ds_config(ds_config)
     except LazyZeroConfigError as err:
         print(f"lazyzero: invalid config {args.deepspeed_config}:\n{err}", file=sys.stderr)

@@ -123,6 +123,29 @@ def test_an_enabled_plan_on_stage_3_with_a_sequence_length_is_accepted():
     assert config.enabled_features() == ["plan"] and config.plan.seq_len == 64
 
 
+def test_planned_checkpoint_traffic_needs_lazy_checkpoints():
+    planned = {"plan": {**PLANNED["plan"], "checkpoint_every": 50}}
+    with pytest.raises(LazyZeroConfigError) as caught:
+        validate_ds_config({"zero_optimization": {"stage": 3}, "lazyzero": planned})
+    problem_line(caught.value, "lazyzero.plan.checkpoint_every", "got 50; allowed: null unless lazyzero.checkpoint.mode is 'lazy'")
+    config = validate_ds_config({"zero_optimization": {"stage": 3},
+                                 "lazyzero": {**planned, "checkpoint": {"mode": "lazy"}}})
+    assert config.plan.checkpoint_every == 50
+
+
+def test_lazyzero_train_plans_for_its_sequences_and_save_interval():
+    from lazyzero.train import plan_for_the_run
+
+    ds_config = {"lazyzero": {"plan": {"enabled": True}, "checkpoint": {"mode": "lazy"}}}
+    plan_for_the_run(ds_config, seq_len=192, save_every=50)
+    assert ds_config["lazyzero"]["plan"] == {"enabled": True, "seq_len": 192, "checkpoint_every": 50}
+    without_lazy = {"lazyzero": {"plan": {"enabled": True}}}
+    plan_for_the_run(without_lazy, seq_len=192, save_every=50)
+    assert "checkpoint_every" not in without_lazy["lazyzero"]["plan"]
+    with pytest.raises(SystemExit, match="--seq-len is 128"):
+        plan_for_the_run({"lazyzero": {"plan": {"enabled": True, "seq_len": 64}}}, seq_len=128, save_every=0)
+
+
 def test_validation_does_not_modify_the_given_dict(workdir):
     ds_config = {"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}},
                  "lazyzero": {"plan": {"gpu_mem": "70GB"}, "optimizer": {"fp32_patterns": ["*bias*"]}}}

@@ -86,6 +86,9 @@ class PlanConfig(ConfigSection):
     replan_margin: float = Field(0.15, gt=0)
     """Relative difference between measured and predicted step time or peak memory that triggers a new plan."""
 
+    checkpoint_every: Optional[int] = Field(None, ge=1)
+    """Optimizer steps between the run's lazy checkpoints: the planner spreads each snapshot's copy traffic over the compute windows of that many steps, beside the other transfers. null: none planned (`lazyzero train --save-every N` sets it)."""
+
 
 class ActivationsConfig(ConfigSection):
     """Block-wise 4/8-bit quantization of the activations saved for backward, chosen per layer."""

@@ -29,6 +29,11 @@ def plan_problems(config: LazyZeroConfig, ds_config: dict) -> list[Problem]:
     if config.plan.seq_len is None:
         problems.append(Problem.missing("lazyzero.plan.seq_len",
                                         "an integer >= 1 (the sequence length to plan for) when lazyzero.plan.enabled is true"))
+    if config.plan.checkpoint_every is not None and config.checkpoint.mode != "lazy":
+        problems.append(Problem.conflict(
+            "lazyzero.plan.checkpoint_every", config.plan.checkpoint_every,
+            "null unless lazyzero.checkpoint.mode is 'lazy'",
+            "only lazy checkpoints copy their snapshot while training runs; DeepSpeed's own save stops training"))
     for section, fields in PLANNED_FIELDS.items():
         given = getattr(config, section).model_fields_set
         problems += [Problem.conflict(f"lazyzero.{section}.{name}", getattr(getattr(config, section), name),

@@ -269,9 +269,23 @@ def problem_for_config(profile: ModelProfile, ds_config: dict, settings, world_s
     shape = RankShape(world_size, str(dtype).removeprefix("torch."), str(dtype) != "torch.float32",
                       settings.allow_8bit_optimizer)
     budgets = Budgets(settings.cpu_mem, settings.gpu_mem, settings.nvme_path, local_ranks, settings.memory_reserve)
-    return problem_from_profile(profile, budgets, shape, allowed_bits=tuple(settings.allowed_bits),
-                                allow_recompute=settings.allow_recompute, process_bytes=process_bytes,
-                                feature_bytes=feature_workspace_bytes(profile, ds_config, shape))
+    problem, sizes = problem_from_profile(profile, budgets, shape, allowed_bits=tuple(settings.allowed_bits),
+                                          allow_recompute=settings.allow_recompute, process_bytes=process_bytes,
+                                          feature_bytes=feature_workspace_bytes(profile, ds_config, shape))
+    return _with_checkpoint_traffic(problem, profile, ds_config, shape, settings.checkpoint_every), sizes
+
+
+def _with_checkpoint_traffic(problem: PlanProblem, profile: ModelProfile, ds_config: dict, shape: RankShape,
+                             every: int | None) -> PlanProblem:
+    """A lazy checkpoint every `every` steps copies its snapshot while training runs: per step, its
+    share of the snapshot bytes goes over the checkpoint's path (to host memory beside a GPU, else
+    to NVMe, where the files are written), in windows the MILP chooses beside the other transfers.
+    Without either path (no GPU, no NVMe tier) there is nothing to share: the copy is a memcpy in
+    the compute memory, its buffers counted in the workspace."""
+    snapshot = lazy_snapshot_bytes(profile, ds_config, shape)
+    if not every or not snapshot or not (problem.machine.has_host or "nvme" in problem.machine.tiers):
+        return problem
+    return replace(problem, checkpoint_bytes_per_step=math.ceil(snapshot / every))
 
 
 # The int8 exchange's scratch per element of a reduce bucket: packed fp32 rows, their restored fp32
@@ -288,17 +302,28 @@ def feature_workspace_bytes(profile: ModelProfile, ds_config: dict, shape: RankS
       the parameters and of fp32 Adam states and master weights (the larger of the two state
       formats) and lazyzero's own state (the error-feedback residuals), or
       `checkpoint.host_buffer_limit` when that is smaller."""
-    section = ds_config.get("lazyzero") or {}
-    gradients, checkpoint = section.get("gradients") or {}, section.get("checkpoint") or {}
-    total = sum(row.param_numel for row in profile.layers)
-    held = residuals = 0
+    gradients = ((ds_config.get("lazyzero") or {}).get("gradients")) or {}
+    held = 0
     if gradients.get("quantize", "none") == "int8":
         held += INT8_EXCHANGE_SCRATCH_BYTES_PER_ELEMENT * model_sizes(profile, 1).largest_layer_numel
-        residuals = FP32_BYTES * total if gradients.get("error_feedback", False) else 0
-        held += residuals
-    if checkpoint.get("mode", "deepspeed") == "lazy":
-        per_element = _DTYPE_BYTES[shape.dtype] + 2 * FP32_BYTES + (FP32_BYTES if shape.mixed_precision else 0)
-        snapshot = math.ceil(total / shape.world_size) * per_element + residuals
-        limit = checkpoint.get("host_buffer_limit")
-        held += snapshot if limit is None else min(snapshot, parse_memory_size(limit))
-    return held
+        held += _residual_bytes(profile, ds_config)
+    return held + lazy_snapshot_bytes(profile, ds_config, shape)
+
+
+def _residual_bytes(profile: ModelProfile, ds_config: dict) -> int:
+    gradients = ((ds_config.get("lazyzero") or {}).get("gradients")) or {}
+    if gradients.get("quantize", "none") != "int8" or not gradients.get("error_feedback", False):
+        return 0
+    return FP32_BYTES * sum(row.param_numel for row in profile.layers)
+
+
+def lazy_snapshot_bytes(profile: ModelProfile, ds_config: dict, shape: RankShape) -> int:
+    """Host bytes of one lazy checkpoint's snapshot on a rank (0 without lazy checkpoints)."""
+    checkpoint = ((ds_config.get("lazyzero") or {}).get("checkpoint")) or {}
+    if checkpoint.get("mode", "deepspeed") != "lazy":
+        return 0
+    total = sum(row.param_numel for row in profile.layers)
+    per_element = _DTYPE_BYTES[shape.dtype] + 2 * FP32_BYTES + (FP32_BYTES if shape.mixed_precision else 0)
+    snapshot = math.ceil(total / shape.world_size) * per_element + _residual_bytes(profile, ds_config)
+    limit = checkpoint.get("host_buffer_limit")
+    return snapshot if limit is None else min(snapshot, parse_memory_size(limit))

@@ -174,3 +174,21 @@ def test_other_features_add_what_they_hold_whatever_the_plan():
         14 * layer_numel + 4 * total + math.ceil(total / 2) * (2 + 4 + 8) + 4 * total
     lazy["lazyzero"]["checkpoint"]["host_buffer_limit"] = "1KB"
     assert feature_workspace_bytes(profile, lazy, shape) == 1000
+
+
+def test_lazy_checkpoints_every_n_steps_share_the_windows_with_their_snapshot_traffic(tmp_path):
+    from lazyzero.config import PlanConfig
+    from lazyzero.planner import solve
+    from lazyzero.planner.problem_from_profile import lazy_snapshot_bytes, problem_for_config
+
+    ds_config = {"bf16": {"enabled": True}, "zero_optimization": {"stage": 3},
+                 "lazyzero": {"checkpoint": {"mode": "lazy"}}}
+    settings = PlanConfig(enabled=True, seq_len=8, cpu_mem=4 * 10**9, nvme_path=str(tmp_path), checkpoint_every=10)
+    problem, _ = problem_for_config(made_up_profile(), ds_config, settings, 2, 2, process_bytes=0)
+    snapshot = lazy_snapshot_bytes(made_up_profile(), ds_config, RankShape(2, "bfloat16", True, True))
+    assert snapshot > 0 and problem.checkpoint_bytes_per_step == math.ceil(snapshot / 10)
+    plan = solve(problem, max_gap=0.0)
+    assert sum(plan.checkpoint_transfers) == pytest.approx(problem.checkpoint_bytes_per_step)
+    # Without a path to copy over (no GPU, no NVMe tier) there is no traffic to plan.
+    no_nvme = settings.model_copy(update={"nvme_path": None})
+    assert problem_for_config(made_up_profile(), ds_config, no_nvme, 2, 2, process_bytes=0)[0].checkpoint_bytes_per_step == 0

@@ -96,6 +96,22 @@ def test_only_the_placed_layers_have_swap_files(tiered_runs):
 
 @pytest.mark.multiproc
 @needs_libaio
+def test_the_planner_counts_deepspeeds_swap_buffers(tiered_runs):
+    """The host memory the planner reserves for DeepSpeed's NVMe swappers (swap_buffers.py) is what
+    their buffers hold: the optimizer swapper's 4 fp32 buffers of the largest sub-group, and the
+    parameter swapper's pool (8 x 1.1M bf16 elements here) and partitioned buffer."""
+    from lazyzero.planner.swap_buffers import optimizer_swap_bytes, parameter_swap_bytes
+
+    for record in tiered_runs["half"]:
+        largest = max(group["numel"] for group in record["sub_groups"])
+        held = record["swap_buffer_bytes"]
+        assert held["optimizer"] == optimizer_swap_bytes(largest, 4)
+        assert held["parameters"] == parameter_swap_bytes(buffer_count=8, buffer_size=1_100_000,
+                                                          largest_group_numel=largest, world_size=2, dtype_bytes=2)
+
+
+@pytest.mark.multiproc
+@needs_libaio
 def test_half_on_nvme_trains_bit_for_bit_like_all_in_memory(tiered_runs):
     for half, memory in zip(tiered_runs["half"], tiered_runs["memory"]):
         # Clipping is active (norms ~12 > 1.0), so the clip factor, and the order in which the

@@ -150,6 +150,22 @@ def sub_groups(engine) -> list[dict]:
             for i, group in enumerate(zero.fp16_groups)]
 
 
+def swap_buffer_bytes(engine) -> dict[str, int]:
+    """Host bytes of DeepSpeed's NVMe swappers' buffers (what lazyzero/planner/swap_buffers.py
+    predicts): the optimizer swapper's, and the parameter swapper's pool and partitioned buffer."""
+    def size(tensor) -> int:
+        return 0 if tensor is None else tensor.numel() * tensor.element_size()
+
+    held = {}
+    swapper = getattr(engine.optimizer, "optimizer_swapper", None)
+    if swapper is not None:
+        held["optimizer"] = sum(size(t) for t in swapper.swap_buffer_manager.all_buffers)
+    param_swapper = getattr(next(engine.module.parameters()), "nvme_swapper", None)
+    if param_swapper is not None:
+        held["parameters"] = size(param_swapper.buffers) + size(param_swapper.partitioned_swap_buffer)
+    return held
+
+
 def swap_files(nvme: Path, kind: str) -> list[str]:
     """Names of this rank's swap files: kind "optimizer", or "params" (16-bit parameters)."""
     pattern = f"optimizer/rank{dist.get_rank()}/*" if kind == "optimizer" else f"*params/rank{dist.get_rank()}/*"
@@ -211,7 +227,8 @@ def run(out: Path, spec: str) -> None:
         record.update(digest=parameter_digest(engine), sub_groups=sub_groups(engine),
                       optimizer_files=swap_files(nvme, "optimizer"), param_files=swap_files(nvme, "params"),
                       ds_ids={param: p.ds_id for param, p in engine.module.named_parameters()},
-                      tier_report=engine.optimizer.tier_report() if placement is not None else None)
+                      tier_report=engine.optimizer.tier_report() if placement is not None else None,
+                      swap_buffer_bytes=swap_buffer_bytes(engine))
     record["run_s"] = time.perf_counter() - started
     (out / f"{name}_rank{engine.global_rank}.json").write_text(json.dumps(record))
     destroy_engine(engine)

@@ -100,11 +100,12 @@ def _with_compute_capacity(problem: PlanProblem, capacity: float) -> PlanProblem
     return replace(problem, machine=replace(problem.machine, tiers=tiers))
 
 
-def smallest_compute_budget(problem: PlanProblem, *, largest_factor: float = 4.0, rounds: int = 7,
-                            time_limit_s: float = 2.0) -> int | None:
-    """About the least compute-memory capacity (bytes, within 1/2**rounds of the bracket) at which
-    `problem` has a plan, by bisection up to `largest_factor` times its own; None when even that has
-    none. For error messages: how much memory a run that cannot start would need."""
+def smallest_compute_budget(problem: PlanProblem, *, low: float | None = None, high: float | None = None,
+                            rounds: int = 8, time_limit_s: float = 2.0) -> int | None:
+    """About the least compute-memory capacity (bytes, within (high - low) / 2**rounds) at which
+    `problem` has a plan, by bisection between `low` (default: its own capacity, taken to have none)
+    and `high` (default: four times that); None when even `high` has none. For error messages (how
+    much memory a run that cannot start would need) and for choosing test budgets."""
     from lazyzero.planner import PlanInfeasible, SolverFoundNoPlan, solve
 
     def feasible(capacity: float) -> bool:
@@ -114,7 +115,9 @@ def smallest_compute_budget(problem: PlanProblem, *, largest_factor: float = 4.0
         except (PlanInfeasible, SolverFoundNoPlan):
             return False
 
-    low, high = float(problem.machine.tiers["gpu"].capacity_bytes), problem.machine.tiers["gpu"].capacity_bytes * largest_factor
+    capacity = problem.machine.tiers["gpu"].capacity_bytes
+    low = float(capacity if low is None else low)
+    high = float(4 * capacity if high is None else high)
     if not feasible(high):
         return None
     for _ in range(rounds):

@@ -211,7 +211,8 @@ def _add_offload_all_or_none(problem: PlanProblem, v: _Variables) -> None:
 
     for kind, attribute in PLACED_KINDS.items():
         for i in range(1, problem.num_layers):
-            v.model.add_constr(on_device(i, attribute) == on_device(0, attribute), name=f"offload_all_or_none[{kind},{i}]")
+            v.model.add_constr(on_device(i, attribute) == on_device(0, attribute),
+                               name=f"offload_all_or_none[{kind},{i}]")
 
 
 def _kept_bytes(problem: PlanProblem, v: _Variables, i: int, tier: str):
@@ -300,10 +301,10 @@ def _add_capacities(problem: PlanProblem, v: _Variables) -> None:
             for tier in machine.tiers}
     resident = {tier: _resident(problem, v, tier) for tier in machine.tiers}
     param_swap = problem.param_swap_bytes / GB * buffers["param_swap"]
-    device_fixed = problem.workspace_bytes / GB + resident["gpu"] + 2 * buffers["param"] + 2 * buffers["act"]
-    host_fixed = resident["cpu"] + param_swap if machine.has_host else None
-    if not machine.has_host:
-        device_fixed = device_fixed + param_swap
+    swap_on = {problem.param_swap_tier(): param_swap}
+    device_fixed = (problem.workspace_bytes / GB + resident["gpu"] + 2 * buffers["param"] + 2 * buffers["act"]
+                    + swap_on.get("gpu", 0))
+    host_fixed = resident["cpu"] + swap_on.get("cpu", 0) if machine.has_host else None
     for i in range(n):
         moving = grad_gb[i + 1] * leave[i + 1] if i + 1 < n else 0
         recompute = layers[i].act_bytes[16] / GB * v.act[i].get(RECOMPUTE, 0)

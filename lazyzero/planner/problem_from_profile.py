@@ -86,9 +86,8 @@ def problem_from_profile(profile: ModelProfile, budgets: Budgets, shape: RankSha
     swappers = _swapper_bytes(profile, shape)
     if offloaded_grads:
         # The optimizer is always swapped to NVMe here (implied.py): its buffers are there all along,
-        # not only while a layer's state is stepped.
+        # not only while a layer's state is stepped (so `_layer_costs` stages nothing per layer).
         workspace += swappers["optimizer"]
-        layers = tuple(replace(c, stage_bytes_fp32=0, stage_bytes_8bit=0) for c in layers)
     problem = PlanProblem(layers, machine, workspace, allowed_bits=tuple(allowed_bits),
                           allow_recompute=allow_recompute, allow_8bit_optimizer=shape.eight_bit_allowed,
                           param_tiers=_parameter_tiers(machine, shape), offload_all_or_none=machine.has_host,
@@ -156,6 +155,7 @@ def _layer_costs(profile: ModelProfile, row: LayerProfile, shape: RankShape, off
     pack_bwd = {bits: max(0.0, row.packed_bwd_s[bits] - row.bwd_s) if decoder and bits != 16 else 0.0
                 for bits in BIT_WIDTHS}
     recompute = row.recompute_s if row.recompute_s is not None else row.fwd_s
+    stage = 0 if offloaded_grads else OPTIMIZER_SWAP_BUFFERS * partition * FP32_BYTES
     offload_fwd, offload_bwd = _offload_work(row, act) if decoder else ({}, {})
     return LayerCosts(
         name=row.name, fwd_s=row.fwd_s + gather, bwd_s=row.bwd_s + gather + scatter,
@@ -166,9 +166,9 @@ def _layer_costs(profile: ModelProfile, row: LayerProfile, shape: RankShape, off
         quality_cost={bits: QUALITY_COST_PER_FWD_S[bits] * row.fwd_s for bits in BIT_WIDTHS},
         pack_fwd_s=pack_fwd, pack_bwd_s=pack_bwd, recompute_s=recompute,
         **({"offload_fwd_s": offload_fwd, "offload_bwd_s": offload_bwd} if offload_fwd else {}),
-        # DeepSpeed's NVMe optimizer swapper stages its buffers of one fp32 partition each.
-        stage_bytes_fp32=OPTIMIZER_SWAP_BUFFERS * partition * FP32_BYTES,
-        stage_bytes_8bit=OPTIMIZER_SWAP_BUFFERS * partition * FP32_BYTES)
+        # DeepSpeed's NVMe optimizer swapper stages its buffers of one fp32 partition each; where the
+        # optimizer is always swapped, its buffers are in the workspace instead.
+        stage_bytes_fp32=stage, stage_bytes_8bit=stage)
 
 
 def _offload_work(row: LayerProfile, act: dict[int, int]) -> tuple[dict, dict]:

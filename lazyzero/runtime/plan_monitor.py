@@ -101,11 +101,10 @@ class PlanMonitor:
         return PlanCheck(self._plan_index, plan.predicted_step_s, step_s, predicted_peak, peak, replan)
 
     def _replan(self, engine, check: PlanCheck) -> None:
+        from lazyzero.planner import PlanInfeasible
         from lazyzero.planner.calibrate import calibrated_problem
         from lazyzero.planner.implied import implied_setup
         from lazyzero.runtime.plan_setup import solve_on_rank_zero
-
-        from lazyzero.planner import PlanInfeasible
 
         problem = calibrated_problem(self.active.problem, self.active.plan, check.measured_step_s,
                                      check.measured_peak_bytes)
@@ -136,7 +135,9 @@ class PlanMonitor:
     def _excess_note(self, problem, plan) -> str:
         """What planning beyond the planning budget means: into `memory_reserve` (a note), or
         beyond the user's budget itself (a warning)."""
-        budget = problem.machine.tiers["gpu"].capacity_bytes / (1 - self.settings.memory_reserve)
+        from lazyzero.runtime.plan_setup import budget_of
+
+        budget = budget_of(problem.machine.tiers["gpu"].capacity_bytes, self.settings)
         peak = plan.predicted_peak_bytes["gpu"]
         if peak <= budget:
             return (f"lazyzero plan {self._plan_index}: with the placements in force, no activation plan stays "

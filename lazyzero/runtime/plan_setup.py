@@ -154,15 +154,19 @@ def _budget_advice(problem: PlanProblem, settings, error) -> Exception:
     if "gpu" not in error.tiers:
         return error
     key = "gpu_mem" if problem.machine.has_host else "cpu_mem"
-    reserve = 1 - settings.memory_reserve
     capacity = problem.machine.tiers["gpu"].capacity_bytes
     needed = smallest_compute_budget(problem)
     shared = "" if key == "gpu_mem" else "; cpu_mem is per node, shared by its ranks"
-    advice = (f"about {needed / reserve / 1e9:.2f} GB per rank would admit one" if needed is not None
-              else f"not even {4 * capacity / reserve / 1e9:.2f} GB per rank would")
-    return PlanInfeasible(f"lazyzero.plan.{key}: no plan fits {capacity / reserve / 1e9:.2f} GB per rank "
+    advice = (f"about {budget_of(needed, settings) / 1e9:.2f} GB per rank would admit one" if needed is not None
+              else f"not even {budget_of(4 * capacity, settings) / 1e9:.2f} GB per rank would")
+    return PlanInfeasible(f"lazyzero.plan.{key}: no plan fits {budget_of(capacity, settings) / 1e9:.2f} GB per rank "
                           f"({capacity / 1e9:.2f} GB planned after memory_reserve {settings.memory_reserve:g}); "
                           f"{advice}{shared}. The solver said: {error}", error.tiers)
+
+
+def budget_of(capacity: float, settings) -> float:
+    """The per-rank budget a user gives for a planning capacity (the budget less `memory_reserve`)."""
+    return capacity / (1 - settings.memory_reserve)
 
 
 def on_rank_zero(work, dist):

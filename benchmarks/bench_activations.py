@@ -2,8 +2,8 @@
 
 One training step (forward, backward, AdamW step) of a bf16 model from a preset, at a sequence length
 where saved activations dominate memory, in one process: the baseline (no lazyzero hooks) and the
-default activation policy of `"lazyzero": {"activations": {"enabled": true}}` (attention kept, norms at
-8 bits, MLPs at 4, cheap elementwise recomputation on). Keys:
+default activation policy of `"lazyzero": {"activations": {"enabled": true}}` (attention's q, k, v and
+output kept, its input and the norms at 8 bits, MLPs at 4, cheap elementwise recomputation on). Keys:
 
 - `saved_bytes_ratio`: bytes the quantized step stores for backward over the bytes autograd saves in
   the baseline (counted by the packer with every module at 16 bits: the same tensors, unpacked);
@@ -13,8 +13,9 @@ default activation policy of `"lazyzero": {"activations": {"enabled": true}}` (a
   included in both;
 - `step_time_ratio`: median step time, quantized over baseline, timed interleaved.
 Targets (issue 6): at most 0.30, 0.50 and 1.15. Details: bytes per module kind, the share of the
-baseline that the 16-bit attention alone keeps (a floor for `saved_bytes_ratio` under the default
-policy), and the same ratios for an `attention_bits: 8` policy.
+baseline that the 16-bit attention keeps under the default policy (a floor for `saved_bytes_ratio`),
+and the same ratios for an `attention_bits: 8` policy and for `attention_input_bits: 16` (the
+attention's input kept exact too).
 
     python benchmarks/bench_activations.py --quick --out benchmarks/results/bench_activations.json
 """
@@ -36,7 +37,8 @@ from lazyzero.activations import ActivationPacker, ActivationPolicy  # noqa: E40
 from lazyzero.config.models import ActivationsConfig  # noqa: E402
 from lazyzero.models.build import build_model  # noqa: E402
 
-POLICIES = {"default": ActivationsConfig(enabled=True), "attention_8bit": ActivationsConfig(enabled=True, attention_bits=8)}
+POLICIES = {"default": ActivationsConfig(enabled=True), "attention_8bit": ActivationsConfig(enabled=True, attention_bits=8),
+            "attention_input_exact": ActivationsConfig(enabled=True, attention_input_bits=16)}
 UNQUANTIZED = ActivationsConfig(enabled=True, default_bits=16, attention_bits=16)
 
 
@@ -109,6 +111,8 @@ def main() -> None:
         results[f"{prefix}peak_mem_ratio"] = peak_bytes(lambda config=config: trainee.step(config), device, floor) / peak_baseline
         results[f"{prefix}step_time_ratio"] = times[name] / times["baseline"]
         details[f"{name}_bytes_by_kind"] = bytes_by_kind(accounting)
+        if name == "default":
+            details["attention_stored_share_of_baseline"] = accounting.by_kind()["attention"].after / baseline_bytes
     write_results(args.out, "bench_activations", args.quick, results, details)
 
 

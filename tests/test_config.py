@@ -192,6 +192,7 @@ BAD_CONFIGS = [
     ({"gradients": {"block_size": 16384}}, "lazyzero.gradients.block_size", "allowed: a power of two from 32 to 8192"),
     ({"activations": {"default_bits": 2}}, "lazyzero.activations.default_bits", "got 2; allowed: one of 4, 8, 16"),
     ({"activations": {"attention_bits": 4}}, "lazyzero.activations.attention_bits", "allowed: one of 8, 16"),
+    ({"activations": {"attention_input_bits": 2}}, "lazyzero.activations.attention_input_bits", "got 2; allowed: one of 4, 8, 16"),
     ({"activations": {"recompute_layers": [3, 3]}}, "lazyzero.activations.recompute_layers", "allowed: a list of distinct layer indices"),
     ({"activations": {"offload_layers": {"03": "nvme"}}}, "lazyzero.activations.offload_layers['03']",
      "got '03'; allowed: a layer index as a decimal string ('0', '3', ...)"),

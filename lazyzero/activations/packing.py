@@ -48,7 +48,7 @@ from lazyzero.activations.accounting import ActivationAccounting
 from lazyzero.activations.offload import ActivationOffloader, OffloadedStorage
 from lazyzero.activations.offload_io import AioSettings
 from lazyzero.activations.policy import KEEP_BITS, ActivationPolicy, ModuleBits
-from lazyzero.activations.stored import DerivedStorage, PackedView, unpack_saved
+from lazyzero.activations.stored import DerivedStorage, PackedView, unpack_for_autograd
 from lazyzero.ops.quant import SUPPORTED_DTYPES, BlockQuantized, quantize_blockwise
 
 
@@ -82,7 +82,8 @@ class ActivationPacker:
             self.offloader = ActivationOffloader(model, policy.config, self.accounting, lambda: self.active,
                                                  rank=rank, aio=aio)
         self.managed = policy.plan(model)
-        self._scopes: list[tuple[ModuleBits, nn.Module]] = []
+        # (entry, module, the root of its input when the entry stores that input at its own width)
+        self._scopes: list[tuple[ModuleBits, nn.Module, torch.Tensor | None]] = []
         self._stored: dict[int, _StoredStorage] = {}
         self._seed = 0
         self._active: list[torch.autograd.graph.saved_tensors_hooks] = []
@@ -90,7 +91,8 @@ class ActivationPacker:
         self._handles = []
         for entry in self.managed:
             module = modules[entry.name]
-            self._handles.append(module.register_forward_pre_hook(functools.partial(self._enter_module, entry)))
+            self._handles.append(module.register_forward_pre_hook(functools.partial(self._enter_module, entry),
+                                                                  with_kwargs=True))
             # always_call: an exception inside forward must not leave the module on the stack.
             self._handles.append(
                 module.register_forward_hook(functools.partial(self._exit_module, entry), always_call=True)
@@ -116,7 +118,7 @@ class ActivationPacker:
     def __enter__(self) -> ActivationPacker:
         if not self._active and self.offloader is not None:
             self.offloader.begin_forward()
-        hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, unpack_saved)
+        hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, unpack_for_autograd)
         hooks.__enter__()
         self._active.append(hooks)
         return self
@@ -186,22 +188,25 @@ class ActivationPacker:
         packed = next((form for form in stored.forms.values() if form is not None), None)
         return PackedView.of(packed, tensor) if packed is not None else None
 
-    def _enter_module(self, entry: ModuleBits, module: nn.Module, args) -> None:
-        self._scopes.append((entry, module))
+    def _enter_module(self, entry: ModuleBits, module: nn.Module, args, kwargs) -> None:
+        module_input = _first_tensor(args, kwargs) if entry.input_bits is not None else None
+        self._scopes.append((entry, module, None if module_input is None else _root(module_input)))
 
     def _exit_module(self, entry: ModuleBits, module: nn.Module, args, output) -> None:
-        top, _ = self._scopes.pop()
+        top, _, _ = self._scopes.pop()
         if top is not entry:
             raise RuntimeError(f"activation packer: module {entry.name!r} ended while {top.name!r} was running")
 
     def _pack(self, tensor: torch.Tensor):
-        entry, module = self._scopes[-1] if self._scopes else (None, None)
+        entry, module, module_input = self._scopes[-1] if self._scopes else (None, None, None)
         if _aliases_parameter(tensor, module):
             return tensor
+        root = _root(tensor)
         bits = entry.bits if entry else KEEP_BITS
+        if root is module_input:
+            bits = entry.input_bits
         if not self._packable(tensor):
             bits = KEEP_BITS
-        root = _root(tensor)
         stored = self._stored_for(root)
         if KEEP_BITS in stored.forms:
             kept = stored.forms[KEEP_BITS]
@@ -275,6 +280,13 @@ class ActivationPacker:
         # A block holding Inf or NaN (SDPA's logsumexp is -inf on fully masked rows) would come back
         # as all NaN: keep such a tensor exact. One check over the scales, a block-th of the tensor.
         return packed if bool(torch.isfinite(packed.scales).all()) else None
+
+
+def _first_tensor(args: tuple, kwargs: dict) -> torch.Tensor | None:
+    """A module call's input: its first tensor argument, else its `hidden_states` keyword (how
+    transformers' decoder layers call their attention)."""
+    first = next((arg for arg in args if isinstance(arg, torch.Tensor)), None)
+    return first if first is not None else kwargs.get("hidden_states")
 
 
 def _root(tensor: torch.Tensor) -> torch.Tensor:

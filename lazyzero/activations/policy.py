@@ -14,10 +14,17 @@ A module's width, first rule that applies wins:
    the norms gave half the gradient error of the demo model, 0.042 relative, against 0.021 with
    norms at 8 bits).
 16 means "keep as saved" (the model's own dtype, fp32 or bf16).
+
+One tensor of an attention module is not attention's own: its input, the output of the norm before
+it, which only the q/k/v projections' weight gradients read. It is stored like the norm's stored
+input (the layer's norm width, or `attention_input_bits`), which is what lets the norm's output be
+rebuilt in backward instead of stored (lazyzero/activations/rewrites.py). q, k, v, the attention's
+output and its logsumexp, what the attention's own backward reads, keep the attention's width.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 import re
 from dataclasses import dataclass, field
@@ -101,6 +108,9 @@ class ModuleBits:
     kind: ModuleKind
     layer: int | None
     bits: int
+    input_bits: int | None = None
+    """Width of the module's own input where narrower than `bits` (attention: see
+    `ActivationPolicy.attention_input_bits`); None: `bits`."""
 
 
 @dataclass(frozen=True)
@@ -129,8 +139,26 @@ class ActivationPolicy:
             return override
         if kind == "attention":
             return self.config.attention_bits
-        bits = self.layer_bits[layer] if layer is not None and layer in self.layer_bits else self.config.default_bits
-        return max(bits, self.config.norm_bits) if kind == "norm" else bits
+        return self._norm_width(layer) if kind == "norm" else self._layer_width(layer)
+
+    def _layer_width(self, layer: int | None) -> int:
+        return self.layer_bits[layer] if layer is not None and layer in self.layer_bits else self.config.default_bits
+
+    def _norm_width(self, layer: int | None) -> int:
+        return max(self._layer_width(layer), self.config.norm_bits)
+
+    def attention_input_bits(self, layer_norm_bits: int, bits: int) -> int | None:
+        """The width of an attention module's input, when narrower than the module's `bits`; else None.
+
+        That input is the output of the norm before it, which only the q/k/v projections' weight
+        gradients read (the attention's own backward reads q, k, v and its output, kept at `bits`).
+        It is stored as precisely as the norm's own stored input, the widest norm width of its layer
+        (`layer_norm_bits`), or at `attention_input_bits` when set; where the norm stores only its
+        input (`recompute_elementwise`) it is rebuilt from that and costs nothing.
+        """
+        width = self.config.attention_input_bits
+        width = layer_norm_bits if width is None else width
+        return width if width < bits else None
 
     def override_for(self, name: str) -> int | None:
         for pattern, bits in self.config.overrides.items():
@@ -152,4 +180,14 @@ class ActivationPolicy:
                 continue
             layer = layer_index(name)
             chosen.append(ModuleBits(name, kind, layer, self.bits_for(name, kind, layer)))
-        return chosen
+        return self._with_attention_inputs(chosen)
+
+    def _with_attention_inputs(self, chosen: list[ModuleBits]) -> list[ModuleBits]:
+        """`chosen` with each attention module's input width (`attention_input_bits`). Outside the
+        decoder layers, and in recomputed layers (16 bits throughout), attention keeps its input."""
+        norm_bits: dict[int, int] = {}
+        for entry in chosen:
+            if entry.kind == "norm" and entry.layer is not None:
+                norm_bits[entry.layer] = max(entry.bits, norm_bits.get(entry.layer, 0))
+        return [dataclasses.replace(entry, input_bits=self.attention_input_bits(norm_bits[entry.layer], entry.bits))
+                if entry.kind == "attention" and entry.layer in norm_bits else entry for entry in chosen]

@@ -6,9 +6,11 @@ recomputing the rest in backward costs a few elementwise passes and no matmul:
 
 - **Norms** (RMSNorm, LayerNorm): HF's RMSNorm saves an fp32 copy of its input, 1/rms and the
   normalized input (6 bytes per element in a bf16 model). `recompute_from_input` makes the norm
-  save only its input, packed at the norm's width, and rerun the norm in backward from it. Its
-  output is a recipe over that input too, which a quantized consumer (the MLP's projections) uses
-  instead of storing it again; a 16-bit consumer (attention) still keeps the exact output. (Not
+  save only its input, packed at the norm's width, and rerun the norm in backward from it (for
+  transformers' RMSNorms, its gradients in closed form from that input instead). Its
+  output is a recipe over that input too, which a consumer storing it no wider than the norm (the
+  MLP's projections, the attention's: see policy.py) uses instead of storing it again; a 16-bit
+  consumer keeps the exact output. (Not
   where ZeRO-3 partitions the norm's weight, gathered only for the norm's own passes.)
 - **Gated MLPs** (Llama, Qwen2, Mistral: `down(act(gate(x)) * up(x))`): the product is a recipe
   over the stored gate and up outputs (`ActivationPacker.derive`) and act(gate) is not kept, so the
@@ -87,6 +89,60 @@ def _keep(tensor):
     return tensor
 
 
+# transformers' RMSNorm of these families: w * (x * rsqrt(mean(x^2) + eps)).to(x.dtype), in fp32.
+HF_RMS_NORMS = frozenset({"LlamaRMSNorm", "Qwen2RMSNorm", "MistralRMSNorm"})
+
+
+class _RMSNormFromInput(torch.autograd.Function):
+    """An RMSNorm of `HF_RMS_NORMS` saving only its input x; backward is the closed form
+    (`rms_norm_backward`), in half the time of rerunning the norm's ops and differentiating them."""
+
+    @staticmethod
+    def forward(ctx, run, x, weight, eps):
+        ctx.weight, ctx.eps = weight, eps  # weight read in backward, where ZeRO-3 has it gathered
+        ctx.save_for_backward(x)
+        return run(x)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        (stored_x,) = ctx.saved_tensors
+        grad_x, grad_weight = rms_norm_backward(stored_x, grad_output, ctx.weight.detach(), ctx.eps,
+                                                ctx.needs_input_grad[1], ctx.needs_input_grad[2])
+        return None, grad_x, grad_weight, None
+
+
+def rms_norm_backward(x: torch.Tensor, grad_output: torch.Tensor, weight: torch.Tensor, eps: float,
+                      wants_x: bool = True, wants_weight: bool = True):
+    """Gradients (of x, of weight; None where not wanted) of y = w * bf16(x̂), x̂ = x * r,
+    r = rsqrt(mean(x^2) + eps), from x alone: with g = w * dy, dx = r * (g - x̂ * mean(g * x̂)) and
+    dw = sum over rows of dy * x̂. In fp32, a piece of rows at a time (`BACKWARD_PIECE_ELEMENTS`),
+    the weight's sums kept in fp32 across pieces."""
+    width = x.shape[-1]
+    rows_x = x.reshape(-1, width)
+    rows_grad = grad_output.reshape(rows_x.shape)
+    grad_x = torch.empty_like(rows_x) if wants_x else None
+    weight_sum = torch.zeros(width, dtype=torch.float32, device=x.device) if wants_weight else None
+    rows_per_piece = max(1, BACKWARD_PIECE_ELEMENTS // max(1, width))
+    for start in range(0, rows_x.shape[0], rows_per_piece):
+        piece = slice(start, start + rows_per_piece)
+        normalized = rows_x[piece].float()
+        rstd = normalized.square().mean(-1, keepdim=True).add_(eps).rsqrt_()
+        normalized.mul_(rstd)
+        if wants_weight:
+            weight_sum += (rows_grad[piece].float() * normalized).sum(0)
+        if wants_x:
+            scaled = (rows_grad[piece] * weight).float()
+            mean = (scaled * normalized).mean(-1, keepdim=True)
+            grad_x[piece] = scaled.sub_(normalized.mul_(mean)).mul_(rstd)
+    return (grad_x.reshape(x.shape) if wants_x else None,
+            weight_sum.to(weight.dtype) if wants_weight else None)
+
+
+def _is_hf_rms_norm(module: nn.Module) -> bool:
+    return (type(module).__name__ in HF_RMS_NORMS and isinstance(getattr(module, "weight", None), torch.Tensor)
+            and isinstance(getattr(module, "variance_epsilon", None), float))
+
+
 def recompute_from_input(module: nn.Module, packer) -> None:
     """Make `module` (one tensor in, one out) save only its input and rerun itself in backward.
 
@@ -95,11 +151,15 @@ def recompute_from_input(module: nn.Module, packer) -> None:
     the module's backward already.
     """
     original = module.forward
+    hf_rms_norm = _is_hf_rms_norm(module)
 
     def forward(x):
         if not (torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in module.parameters()))):
             return original(x)
-        output = _RecomputeFromInput.apply(original, x, *module.parameters())
+        if hf_rms_norm:
+            output = _RMSNormFromInput.apply(original, x, module.weight, module.variance_epsilon)
+        else:
+            output = _RecomputeFromInput.apply(original, x, *module.parameters())
         if not _zero3_partitioned(module):
             packer.derive(output, original, x)
         return output

@@ -8,7 +8,7 @@ any of them (or a tensor kept as saved) back into a tensor.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -26,11 +26,21 @@ class DerivedStorage:
     fn_in_place: Callable[..., torch.Tensor] | None = None
     """`fn` writing into its first argument: used when that one is rebuilt for this call (not a kept
     tensor), so that backward holds one buffer less at its peak."""
+    _for_autograd: list = field(default_factory=list, compare=False, repr=False)
 
     @property
     def bits(self) -> int:
         """The narrowest width among the sources: the precision the recipe rebuilds at."""
         return min((_stored_bits(source) for source in self.sources), default=KEEP_BITS)
+
+    def materialize_for_autograd(self) -> torch.Tensor:
+        """`materialize()` once for every autograd node that reads this storage (the q, k and v
+        projections all read the attention's input); autograd never writes into a saved tensor. The
+        result lives as long as the recipe, whose last reference goes with the last of those nodes,
+        and they run one after another in backward."""
+        if not self._for_autograd:
+            self._for_autograd.append(self.materialize())
+        return self._for_autograd[0]
 
     def materialize(self) -> torch.Tensor:
         fresh_first = bool(self.sources) and isinstance(self.sources[0], PackedView)
@@ -53,9 +63,13 @@ class PackedView:
     stride: tuple[int, ...]
     storage_offset: int
 
-    def unpack(self) -> torch.Tensor:
+    def unpack(self, for_autograd: bool = False) -> torch.Tensor:
+        """The tensor, in a buffer of its own; `for_autograd`: a recipe's buffer may be shared by
+        every autograd node reading it (`DerivedStorage.materialize_for_autograd`)."""
         if isinstance(self.storage, BlockQuantized):
             flat = dequantize_blockwise(self.storage)
+        elif for_autograd and isinstance(self.storage, DerivedStorage):
+            flat = self.storage.materialize_for_autograd()
         else:
             flat = self.storage.materialize()
         return flat.as_strided(self.shape, self.stride, self.storage_offset)
@@ -72,5 +86,12 @@ def _stored_bits(saved) -> int:
 
 
 def unpack_saved(saved) -> torch.Tensor:
-    """The tensor behind what the pack hook returned (a PackedView, or the tensor itself)."""
+    """The tensor behind what the pack hook returned (a PackedView, or the tensor itself); a PackedView
+    gives a buffer of its own, which the caller may overwrite."""
     return saved.unpack() if isinstance(saved, PackedView) else saved
+
+
+def unpack_for_autograd(saved) -> torch.Tensor:
+    """`unpack_saved` as autograd's unpack hook: its nodes only read what they get, so the rebuilt
+    storage of a recipe is shared between them."""
+    return saved.unpack(for_autograd=True) if isinstance(saved, PackedView) else saved

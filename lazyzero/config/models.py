@@ -102,6 +102,9 @@ class ActivationsConfig(ConfigSection):
     attention_bits: Literal[8, 16] = 16
     """Bits for tensors saved by attention, whose softmax is too sensitive for 4 bits."""
 
+    attention_input_bits: Optional[Literal[4, 8, 16]] = None
+    """Bits for the attention module's input (the output of the norm before it, read only by the q/k/v projections' weight gradients); unset: the layer's norm width, and rebuilt from the norm's stored input at no cost where `recompute_elementwise` applies; 16 keeps it exact. Attention's own tensors (q, k, v, output) keep `attention_bits`."""
+
     norm_bits: Literal[4, 8, 16] = 8
     """Fewest bits for tensors saved by norms (their input is the residual stream, whose outlier channels 4-bit blocks handle worst); a wider layer width applies."""
 

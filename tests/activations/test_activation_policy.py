@@ -103,6 +103,24 @@ def test_rules_apply_in_order_recompute_override_attention_planner_default():
     assert norms_at_8.bits_for("model.layers.1.mlp", "mlp", 1) == 4  # only norms
 
 
+def input_widths(config: ActivationsConfig, layer_bits: dict | None = None) -> dict:
+    policy = ActivationPolicy(config).with_layer_bits(layer_bits or {})
+    plan = policy.plan(build_model("tiny", "llama", meta=True))
+    return {entry.layer: entry.input_bits for entry in plan if entry.kind == "attention"}
+
+
+def test_attention_stores_its_input_like_the_norm_before_it():
+    assert input_widths(ActivationsConfig()) == {0: 8, 1: 8}  # the layers' norms: norm_bits
+    assert input_widths(ActivationsConfig(attention_input_bits=16)) == {0: None, 1: None}  # kept exact
+    assert input_widths(ActivationsConfig(attention_input_bits=4)) == {0: 4, 1: 4}
+    assert input_widths(ActivationsConfig(recompute_layers=[1])) == {0: 8, 1: None}  # norms at 16 there
+    assert input_widths(ActivationsConfig(), {0: 16}) == {0: None, 1: 8}  # a 16-bit planned layer
+    # An override of a whole layer reaches its norms, and so the attention's input.
+    assert input_widths(ActivationsConfig(overrides={"model.layers.1.*": 16})) == {0: 8, 1: None}
+    assert input_widths(ActivationsConfig(norm_bits=16)) == {0: None, 1: None}
+    assert input_widths(ActivationsConfig(attention_bits=8, norm_bits=4)) == {0: 4, 1: 4}
+
+
 def test_overrides_make_any_module_set_a_width():
     config = ActivationsConfig(overrides={"model.layers.0.mlp.down_proj": 8})
     plan = ActivationPolicy(config).plan(build_model("tiny", "llama", meta=True))

@@ -22,6 +22,9 @@ POLICIES = {
     "default": ActivationsConfig(),
     "default-packing-only": ActivationsConfig(recompute_elementwise=False),
     "all-8": ActivationsConfig(default_bits=8, attention_bits=8),
+    "attention-input-exact": ActivationsConfig(attention_input_bits=16),
+    "attention-input-4": ActivationsConfig(attention_input_bits=4, norm_bits=4),
+    "default-norms-16": ActivationsConfig(norm_bits=16),
 }
 
 
@@ -78,12 +81,15 @@ def expected_bytes(config: ActivationsConfig) -> dict:
       up output [B,S,I] (their mul), their product [B,S,I] (down projection).
     With `recompute_elementwise` (rewrites.py) a quantized norm saves only its input [B,S,H]; a
     quantized MLP does not keep the SiLU output and its product is a recipe (counted, 0 bytes after),
-    and so is the input of the MLP or attention (the norm's output) where they are quantized no
-    wider than the norm.
+    and so is the input of the MLP or attention (the norm's output) where they store it no wider than
+    the norm. Attention stores its input at the norm's width (or `attention_input_bits`), the rest of
+    its tensors at `attention_bits`.
     """
     tokens = BATCH * SEQ
     bits = {"norm": max(config.default_bits, config.norm_bits), "mlp": config.default_bits,
             "attention": config.attention_bits}
+    attention_input = config.attention_input_bits or bits["norm"]
+    input_bits = {"mlp": bits["mlp"], "attention": min(attention_input, bits["attention"])}
     norm_rewritten = config.recompute_elementwise and bits["norm"] < 16
     mlp_rewritten = config.recompute_elementwise and bits["mlp"] < 16
     numels = {
@@ -94,13 +100,14 @@ def expected_bytes(config: ActivationsConfig) -> dict:
     }
     recipes = {"mlp": {3} if mlp_rewritten else set(), "attention": set()}  # the product
     for kind in ("mlp", "attention"):  # the input: the norm's output, rebuilt from the norm's stored input
-        if norm_rewritten and bits[kind] <= bits["norm"]:
+        if norm_rewritten and input_bits[kind] <= bits["norm"]:
             recipes[kind].add(0)
     expected = {}
     for kind, sizes in numels.items():
         before = sum(4 * n for n in sizes)  # fp32
-        stored = [n for i, n in enumerate(sizes) if i not in recipes.get(kind, ())]
-        after = before if bits[kind] == 16 else sum(packed_bytes(n, bits[kind]) for n in stored)
+        widths = [input_bits[kind] if i == 0 and kind in input_bits else bits[kind] for i in range(len(sizes))]
+        after = sum(0 if i in recipes.get(kind, ()) else 4 * n if width == 16 else packed_bytes(n, width)
+                    for i, (n, width) in enumerate(zip(sizes, widths)))
         expected[kind] = (before, after, len(sizes))
     return expected
 
@@ -270,3 +277,26 @@ def test_a_failing_forward_leaves_no_module_running(quantized_inputs):
     with packer:
         torch.sin(x)  # outside every module: kept, unless the failed module were still on the stack
     assert quantized_inputs == []
+
+
+def test_a_recipe_is_rebuilt_once_for_all_the_nodes_that_read_it(monkeypatch):
+    """The q, k and v projections all read the attention's input, gate and up the MLP's: each of
+    those recipes (the norms' outputs) and the MLP's product is rebuilt once in backward, not per node."""
+    from lazyzero.activations.stored import DerivedStorage
+
+    rebuilt = []
+    original = DerivedStorage.materialize
+
+    def counting(self):
+        rebuilt.append(self)
+        return original(self)
+
+    monkeypatch.setattr(DerivedStorage, "materialize", counting)
+    grads, _ = layer_gradients(OneLayerModel(seed=0), POLICIES["default"])
+    assert len(rebuilt) == len({id(recipe) for recipe in rebuilt}) == 3
+    rebuilt.clear()
+    monkeypatch.setattr(DerivedStorage, "materialize_for_autograd", DerivedStorage.materialize)
+    unshared, _ = layer_gradients(OneLayerModel(seed=0), POLICIES["default"])
+    assert len(rebuilt) == 3 + 2 + 1  # per node without the sharing; the same gradients either way
+    for name, grad in grads.items():
+        torch.testing.assert_close(unshared[name], grad, rtol=0, atol=0)

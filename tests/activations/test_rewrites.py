@@ -69,7 +69,7 @@ def test_closed_form_rms_norm_gradients_in_bf16_are_as_close_to_fp64_as_autograd
     norm = LlamaRMSNorm(64).to(torch.bfloat16)
     with torch.no_grad():
         norm.weight.add_(torch.randn(64).to(torch.bfloat16) * 0.1)
-    x = torch.randn(4, 300, 64).to(torch.bfloat16)  # 1200 rows: several pieces with a short last one
+    x = torch.randn(4, 300, 64).to(torch.bfloat16)  # 1200 rows: pieces of 500 leave a short last one
     dy = torch.randn(x.shape).to(torch.bfloat16)
 
     def autograd_grads(dtype):
@@ -82,12 +82,13 @@ def test_closed_form_rms_norm_gradients_in_bf16_are_as_close_to_fp64_as_autograd
 
     reference, bf16_autograd = autograd_grads(torch.float64), autograd_grads(torch.bfloat16)
     closed_form = rms_norm_backward(x, dy, norm.weight.detach(), norm.variance_epsilon)
-    pieces = rewrites.BACKWARD_PIECE_ELEMENTS
+    pieces = rewrites.CPU_PIECE_ELEMENTS
     try:
-        rewrites.BACKWARD_PIECE_ELEMENTS = 500 * 64
+        rewrites.CPU_PIECE_ELEMENTS = 500 * 64
         assert torch.equal(rms_norm_backward(x, dy, norm.weight.detach(), norm.variance_epsilon)[0], closed_form[0])
+        assert torch.equal(rewrites.by_row_pieces(norm)(x), norm(x))  # the rebuilt output, in 3 pieces
     finally:
-        rewrites.BACKWARD_PIECE_ELEMENTS = pieces
+        rewrites.CPU_PIECE_ELEMENTS = pieces
     for found, theirs, exact in zip(closed_form, bf16_autograd, reference):
         error = (found.double() - exact).norm() / exact.norm()
         assert error <= max(1.5 * (theirs - exact).norm() / exact.norm(), 2**-8), error

@@ -39,10 +39,11 @@ DEVICE_PIECE_ELEMENTS = 1 << 20
 CPU_PIECE_ELEMENTS = 1 << 17
 
 
-def rows_per_piece(x: torch.Tensor) -> int:
-    """Rows of `x` (last dimension = one row) per piece, for the device `x` is on."""
-    elements = CPU_PIECE_ELEMENTS if x.device.type == "cpu" else DEVICE_PIECE_ELEMENTS
-    return max(1, elements // max(1, x.shape[-1]))
+def row_pieces(rows: torch.Tensor) -> list[slice]:
+    """Slices of `rows` (a 2-D tensor, one position per row) piece by piece, for its device."""
+    elements = CPU_PIECE_ELEMENTS if rows.device.type == "cpu" else DEVICE_PIECE_ELEMENTS
+    step = max(1, elements // max(1, rows.shape[-1]))
+    return [slice(start, start + step) for start in range(0, rows.shape[0], step)]
 
 
 def by_row_pieces(run):
@@ -51,15 +52,16 @@ def by_row_pieces(run):
 
     def run_in_pieces(x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])
-        step = rows_per_piece(x)
-        if rows.shape[0] <= step:
+        pieces = row_pieces(rows)
+        if len(pieces) <= 1:  # also no rows at all
             return run(x)
-        first = run(rows[:step])
-        output = first.new_empty((rows.shape[0], first.shape[-1]))
-        output[:step] = first
-        for start in range(step, rows.shape[0], step):
-            output[start:start + step] = run(rows[start:start + step])
-        return output.reshape(*x.shape[:-1], first.shape[-1])
+        first, *rest = pieces
+        first_output = run(rows[first])  # gives the output's dtype and width
+        output = first_output.new_empty((rows.shape[0], first_output.shape[-1]))
+        output[first] = first_output
+        for piece in rest:
+            output[piece] = run(rows[piece])
+        return output.reshape(*x.shape[:-1], first_output.shape[-1])
 
     return run_in_pieces
 
@@ -68,7 +70,7 @@ class _RecomputeFromInput(torch.autograd.Function):
     """y = run(x) saving only x; backward reruns `run` on the stored x and differentiates it.
 
     `run` must treat each position (each row of x's last dimension) on its own, as norms do: backward
-    reruns and differentiates it a piece of rows at a time (`rows_per_piece`), which bounds
+    reruns and differentiates it a piece of rows at a time (`row_pieces`), which bounds
     its temporaries; parameter gradients are summed over the pieces in fp32.
     """
 
@@ -85,11 +87,9 @@ class _RecomputeFromInput(torch.autograd.Function):
         params = [p for p, wanted in zip(ctx.params, wants_params) if wanted]
         rows_x = stored_x.reshape(-1, stored_x.shape[-1]) if stored_x.dim() > 1 else stored_x.reshape(1, -1)
         rows_grad = grad_output.reshape(rows_x.shape[0], -1)
-        step = rows_per_piece(rows_x)
         grad_x = torch.empty_like(rows_x) if wants_x else None
         param_sums = [None] * len(params)
-        for start in range(0, rows_x.shape[0], step):
-            piece = slice(start, start + step)
+        for piece in row_pieces(rows_x):
             grads = _rerun_and_differentiate(ctx.run, rows_x[piece], rows_grad[piece], wants_x, params)
             if wants_x:
                 grad_x[piece] = grads.pop(0)
@@ -144,16 +144,14 @@ def rms_norm_backward(x: torch.Tensor, grad_output: torch.Tensor, weight: torch.
                       wants_x: bool = True, wants_weight: bool = True):
     """Gradients (of x, of weight; None where not wanted) of y = w * bf16(x̂), x̂ = x * r,
     r = rsqrt(mean(x^2) + eps), from x alone: with g = w * dy, dx = r * (g - x̂ * mean(g * x̂)) and
-    dw = sum over rows of dy * x̂. In fp32, a piece of rows at a time (`rows_per_piece`),
+    dw = sum over rows of dy * x̂. In fp32, a piece of rows at a time (`row_pieces`),
     the weight's sums kept in fp32 across pieces."""
     width = x.shape[-1]
     rows_x = x.reshape(-1, width)
     rows_grad = grad_output.reshape(rows_x.shape)
     grad_x = torch.empty_like(rows_x) if wants_x else None
     weight_sum = torch.zeros(width, dtype=torch.float32, device=x.device) if wants_weight else None
-    step = rows_per_piece(rows_x)
-    for start in range(0, rows_x.shape[0], step):
-        piece = slice(start, start + step)
+    for piece in row_pieces(rows_x):
         normalized = rows_x[piece].float()
         rstd = normalized.square().mean(-1, keepdim=True).add_(eps).rsqrt_()
         normalized.mul_(rstd)

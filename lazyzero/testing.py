@@ -200,3 +200,15 @@ def worker_args() -> list[str]:
     import sys
 
     return [a for a in sys.argv[1:] if not a.startswith("--local_rank")]
+
+
+def write_json_from_every_rank(path, value) -> None:
+    """Write `value` as JSON to `path` when every rank of a worker writes the same file: each writes
+    a temporary file of its own and renames it, so no rank reads another's half-written file."""
+    import json
+    import os
+    from pathlib import Path
+
+    partial = Path(path).with_name(f".{Path(path).name}.{os.getpid()}.tmp")
+    partial.write_text(json.dumps(value))
+    os.replace(partial, path)

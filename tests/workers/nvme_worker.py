@@ -11,7 +11,7 @@ import torch
 
 import lazyzero
 from lazyzero.models import build_model
-from lazyzero.testing import destroy_engine, worker_args
+from lazyzero.testing import destroy_engine, worker_args, write_json_from_every_rank
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -22,7 +22,7 @@ def wide_model_config(out: Path) -> Path:
     config = {"model_type": "llama", "hidden_size": 1024, "intermediate_size": 2048, "num_hidden_layers": 1,
               "num_attention_heads": 8, "num_key_value_heads": 8, "vocab_size": 300, "max_position_embeddings": 64}
     path = out / "wide_llama.json"
-    path.write_text(json.dumps(config))
+    write_json_from_every_rank(path, config)
     return path
 
 

@@ -29,7 +29,6 @@ Usage (under the deepspeed launcher): placement_worker.py OUT SPEC [SPEC ...]; e
 import ctypes
 import hashlib
 import json
-import os
 import resource
 import time
 from pathlib import Path
@@ -44,7 +43,7 @@ import lazyzero
 import lazyzero.runtime.engine as engine_module
 from lazyzero.models import build_model
 from lazyzero.runtime.zero_placement import ZeroPlacement, check_checkpoint_tiers, zero_placement
-from lazyzero.testing import destroy_engine, worker_args
+from lazyzero.testing import destroy_engine, worker_args, write_json_from_every_rank
 
 VOCAB, SEQUENCE, BATCH, SAVE_AT = 300, 16, 2, 3
 
@@ -65,10 +64,7 @@ def model_config(out: Path, layers: int, intermediate: int) -> Path:
               "num_hidden_layers": layers, "num_attention_heads": 8, "num_key_value_heads": 8, "vocab_size": VOCAB,
               "max_position_embeddings": 64}
     path = out / f"llama_{layers}_{intermediate}.json"
-    # Both ranks write it: by rename, so that neither reads the other's half-written file.
-    partial = path.with_suffix(f".{os.getpid()}.tmp")
-    partial.write_text(json.dumps(config))
-    os.replace(partial, path)
+    write_json_from_every_rank(path, config)
     return path
 
 

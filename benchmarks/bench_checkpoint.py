@@ -32,9 +32,10 @@ What is reported (rank 0's clocks; steps are collective, so both ranks' clocks a
   case when a checkpoint every BLOCK steps never waits for the previous one.
 - write_bw_ratio: lazyzero's write bandwidth over a plain sequential write's, summed over ranks,
   both with training paused (the same conditions). lazyzero's, per rank: `last_commit` bytes /
-  write_s of one more checkpoint saved and waited for; write_s covers serializing the host snapshot
-  with torch.save, hashing, writing and fsyncing this rank's files and folders (not the copy into
-  host buffers, not the agreement or rank 0's commit). The plain one, per rank: the same number of
+  write_s of one more checkpoint saved and waited for; write_s runs from the save to this rank's
+  files and folders durable: the snapshot (host tensors are written straight from training's
+  memory, others copied into host buffers first), serializing with torch.save, hashing, writing
+  and fsyncing (not the agreement or rank 0's commit). The plain one, per rank: the same number of
   bytes written to a new file in the same folder in 64 MiB os.write calls from a ready buffer,
   fsync of file and folder, both ranks at once; median over repeats. While training runs, the
   writer only gets the CPU time training leaves idle (SCHED_IDLE), by design: its bandwidth then
@@ -190,6 +191,8 @@ def write_bandwidth(records: list[dict]) -> dict:
             "plain_gbps": plain["bytes"] / statistics.median(plain["seconds"]) / 1e9,
             "lazyzero_paused_gbps": record["paused_write"]["bytes"] / record["paused_write"]["write_s"] / 1e9,
             "copy_s": statistics.median(c["copy_s"] for c in commits),
+            "direct_bytes": statistics.median(c["direct_bytes"] for c in commits),
+            "step_wait_s": statistics.median(c["step_wait_s"] for c in commits),
             "queued_to_committed_s": statistics.median(c["queued_to_committed_s"] for c in commits),
             "commits_seen": len(commits)})
     plain = sum(r["plain_gbps"] for r in per_rank)

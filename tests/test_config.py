@@ -220,7 +220,9 @@ BAD_CONFIGS = [
     ({"plan": {"cpu_mem": "auto"}}, "lazyzero.plan.cpu_mem", "got 'auto'; allowed: a byte count > 0"),
     ({"plan": {"gpu_mem": "70G"}}, "lazyzero.plan.gpu_mem", "units B, KB, MB, GB, TB"),
     ({"plan": {"gpu_mem": True}}, "lazyzero.plan.gpu_mem", "got true; allowed: a byte count > 0"),
-    ({"checkpoint": {"host_buffer_limit": 0}}, "lazyzero.checkpoint.host_buffer_limit", "got 0; allowed: a byte count > 0"),
+    ({"checkpoint": {"host_buffer_limit": 0}}, "lazyzero.checkpoint.host_buffer_limit", "got 0; allowed: a byte count >= 8388608"),
+    ({"checkpoint": {"host_buffer_limit": "1MB"}}, "lazyzero.checkpoint.host_buffer_limit",
+     "got '1MB'; allowed: a byte count >= 8388608 (one 8 MiB staging block)"),
     # features whose runtime has not landed
     ({"gradients": {"error_feedback": True}}, "lazyzero.gradients.error_feedback",
      "got true; allowed: false while lazyzero.gradients.quantize is 'none'"),

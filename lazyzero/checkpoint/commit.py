@@ -1,6 +1,7 @@
 """Writing one rank's files, and the commit of a whole checkpoint by rank 0 (RELIABILITY promise 1).
 
-Order of a commit: every rank writes and fsyncs its files in the temporary folder; once all ranks
+Order of a commit: every rank writes its files in the temporary folder (the host-resident ones
+before the next optimizer step, lazy_engine.py), then fsyncs them; once all ranks
 report success, rank 0 writes the manifest (size and hash of every file), renames the temporary
 folder to the tag, fsyncs `save_dir`, then replaces `latest` by a renamed temporary file. A crash at
 any point leaves either the previous checkpoint as `latest` or the new one complete.
@@ -9,59 +10,86 @@ any point leaves either the previous checkpoint as `latest` or the new one compl
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from lazyzero.checkpoint.durable_io import (HashingFileWriter, durable_rename, fsync_dir, remove_tree,
-                                            write_file_atomically)
+from lazyzero.checkpoint.durable_io import durable_rename, fsync_dir, remove_tree, write_file_atomically
 from lazyzero.checkpoint.faults import failpoint
 from lazyzero.checkpoint.layout import LATEST_NAME, read_latest, temp_dir, trash_dir
 from lazyzero.checkpoint.manifest import Manifest, committed_tags
 from lazyzero.checkpoint.snapshot import FileSnapshot
+from lazyzero.checkpoint.staged_io import StagedFileWriter, StagingBlocks
 from lazyzero.checkpoint.zip_crc import without_zip_crc
 
 
-def write_file(snap: FileSnapshot, folder: Path, fail_midway: bool) -> tuple[str, int, str]:
-    """Write one snapshot file into `folder` and fsync it; (relpath, size, hash)."""
+@dataclass
+class WrittenFile:
+    """A file of this rank written into the temporary folder, its descriptor still open for the fsync."""
+
+    relpath: str
+    path: Path
+    writer: StagedFileWriter
+
+
+def write_file(snap: FileSnapshot, folder: Path, fail_midway: bool, blocks: StagingBlocks) -> WrittenFile:
+    """Write one snapshot file into `folder` through staging blocks: when this returns its bytes are
+    copied out of the state; `make_durable` waits for the disk and fsyncs."""
     path = folder / snap.relpath
     path.parent.mkdir(parents=True, exist_ok=True)
-    writer = HashingFileWriter(path, fail_midway_at=max(1, snap.nbytes // 2) if fail_midway else None)
+    writer = StagedFileWriter(path, blocks, fail_midway_at=max(1, snap.nbytes // 2) if fail_midway else None)
     try:
         if snap.raw is not None:
             writer.write(memoryview(snap.raw.numpy()))
         else:
             with without_zip_crc():  # the manifest's hash covers every byte, at a tenth of the CPU time
                 torch.save(snap.state, writer)
-        writer.sync_and_close()
     except BaseException as err:
         writer.close()
         path.unlink(missing_ok=True)
         if writer.error is not None and err is not writer.error:
             raise writer.error from err
         raise
-    return snap.relpath, writer.size, writer.digest()
+    return WrittenFile(snap.relpath, path, writer)
 
 
-def write_rank_files(files: list[FileSnapshot], folder: Path, rank: int, pool: ThreadPoolExecutor) -> dict[str, dict]:
-    """Write this rank's files in parallel, fsync them and their folders; manifest entries by relpath.
-
-    On any failure the files already written are removed before the error propagates."""
-    futures = [pool.submit(write_file, snap, folder, i == 0) for i, snap in enumerate(files)]
-    written, first_error = {}, None
+def write_files(files: list[FileSnapshot], folder: Path, pool: ThreadPoolExecutor, blocks: StagingBlocks,
+                fail_midway_in: FileSnapshot | None = None) -> list[WrittenFile]:
+    """Write `files` in parallel into `folder`; `fail_midway_in` is the file whose middle fires the
+    'mid_file' failpoint. On any failure the files already written are removed before the error
+    propagates."""
+    futures = [pool.submit(write_file, snap, folder, snap is fail_midway_in, blocks) for snap in files]
+    written, first_error = [], None
     for future in futures:
         try:
-            relpath, size, digest = future.result()
-            written[relpath] = {"size": size, "hash": digest, "rank": rank}
+            written.append(future.result())
         except BaseException as err:  # noqa: BLE001 - re-raised below, after the cleanup
             first_error = first_error or err
     if first_error is not None:
-        for relpath in written:
-            (folder / relpath).unlink(missing_ok=True)
+        discard_written(written)
         raise first_error
-    for parent in sorted({(folder / relpath).parent for relpath in written}, reverse=True):
-        fsync_dir(parent)
     return written
+
+
+def make_durable(written: list[WrittenFile], rank: int, pool: ThreadPoolExecutor) -> dict[str, dict]:
+    """fsync every written file (in parallel) and their folders; manifest entries by relpath.
+    On a failure every file is closed and removed before the error propagates."""
+    try:
+        for future in [pool.submit(w.writer.sync_and_close) for w in written]:
+            future.result()
+        for parent in sorted({w.path.parent for w in written}, reverse=True):
+            fsync_dir(parent)
+    except BaseException:
+        discard_written(written)
+        raise
+    return {w.relpath: {"size": w.writer.size, "hash": w.writer.digest(), "rank": rank} for w in written}
+
+
+def discard_written(written: list[WrittenFile]) -> None:
+    for w in written:
+        w.writer.close()
+        w.path.unlink(missing_ok=True)
 
 
 def commit_on_rank0(save_dir: Path, manifest: Manifest, save_latest: bool, keep_last: int | None) -> list[str]:

@@ -7,6 +7,7 @@ bytes are hashed once, in memory, instead of read back.
 
 from __future__ import annotations
 
+import errno
 import io
 import os
 import shutil
@@ -32,10 +33,10 @@ class HashingFileWriter(io.RawIOBase):
     sequential), and fsyncs before close. `fail_midway_at` fires the 'mid_file' failpoint once that
     many bytes are written."""
 
-    def __init__(self, path: str | os.PathLike, fail_midway_at: int | None = None):
+    def __init__(self, path: str | os.PathLike, fail_midway_at: int | None = None, direct: bool = False):
         super().__init__()
         self.path = str(path)
-        self.fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+        self.fd = _open_for_writing(self.path, direct)
         self.size = 0
         self.error: OSError | None = None
         self._hash = new_hash()
@@ -47,20 +48,25 @@ class HashingFileWriter(io.RawIOBase):
     def write(self, data) -> int:
         view = memoryview(data).cast("B")
         try:
-            io_fault("write", self.path)
-            written = 0
-            while written < view.nbytes:
-                written += os.write(self.fd, view[written:])
+            written = self._put(view)
         except OSError as err:
             # torch.save's zip writer replaces an error from its sink with an 'unexpected pos'
             # RuntimeError; the caller re-raises this one so the report says disk full / I/O error.
             self.error = err
             raise
-        self._hash.update(view)
         self.size += written
         if self._fail_midway_at is not None and self.size >= self._fail_midway_at:
             self._fail_midway_at = None  # once per file: 'mid_file#N' counts files, not writes
             failpoint("mid_file")
+        return written
+
+    def _put(self, view: memoryview) -> int:
+        """Write and hash `view`; the bytes written."""
+        io_fault("write", self.path)
+        written = 0
+        while written < view.nbytes:
+            written += os.write(self.fd, view[written:])
+        self._hash.update(view)
         return written
 
     def digest(self) -> str:
@@ -75,6 +81,18 @@ class HashingFileWriter(io.RawIOBase):
             fd, self.fd = self.fd, -1
             os.close(fd)
         super().close()
+
+
+def _open_for_writing(path: str, direct: bool) -> int:
+    """A new, empty file; with O_DIRECT when `direct` and the filesystem accepts it (tmpfs may not)."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC
+    if direct and hasattr(os, "O_DIRECT"):
+        try:
+            return os.open(path, flags | os.O_DIRECT, 0o644)
+        except OSError as err:
+            if err.errno != errno.EINVAL:
+                raise
+    return os.open(path, flags, 0o644)
 
 
 def fsync_fd(fd: int, path: str) -> None:

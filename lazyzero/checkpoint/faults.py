@@ -19,8 +19,8 @@ import threading
 from collections import Counter
 
 FAILPOINTS = (
-    "after_snapshot",    # host copies done, nothing written yet
-    "mid_file",          # half of this rank's first file written
+    "after_snapshot",    # snapshot taken: host copies done, host-resident files written, nothing fsynced
+    "mid_file",          # half of this rank's first file serialized (copied into staging blocks)
     "before_manifest",   # every rank's files written and fsynced
     "after_manifest",    # manifest written, temporary folder not yet renamed
     "after_rename",      # tag folder in place, 'latest' not yet updated

@@ -1,11 +1,13 @@
 """`LazyCheckpointEngine`: DeepSpeed's checkpoint engine interface, with saves that cost (almost) nothing.
 
 DeepSpeed's `save_checkpoint` calls `create`, `makedirs`, `save` per file and `commit`; here `save`
-only swaps the state's tensors for reused host buffers, `commit` queues the checkpoint and returns.
+only records the snapshot to take (snapshot.py), `commit` queues the checkpoint and returns.
 Per checkpoint, in the background:
-  1. copies into the host buffers (copy thread on CPU, side stream on CUDA), which the next
-     optimizer step waits for (`before_optimizer_step`), since it is what changes the state;
-  2. a flush thread writes this rank's files into the temporary folder (writer pool), fsyncs;
+  1. the snapshot (copy thread; side stream on CUDA): device tensors and views copied into reused
+     host buffers, and the files that hold host tensors written into the temporary folder straight
+     from them; the next optimizer step waits for this (`before_optimizer_step`), since it is what
+     changes the state, but never for an fsync;
+  2. a flush thread writes the remaining files (writer pool) and fsyncs every file;
   3. all ranks agree on a side gloo group (each rank's files and hashes, or its error); rank 0
      commits (commit.py) and broadcasts the outcome.
 A failure anywhere is kept and raised on this rank's next save, wait or optimizer step
@@ -26,11 +28,12 @@ from pathlib import Path
 import torch
 from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo, CheckpointEngine
 
-from lazyzero.checkpoint.commit import commit_on_rank0, discard_temp, write_rank_files
+from lazyzero.checkpoint.commit import WrittenFile, commit_on_rank0, discard_temp, discard_written, make_durable, write_files
 from lazyzero.checkpoint.durable_io import remove_tree
 from lazyzero.checkpoint.faults import failpoint
 from lazyzero.checkpoint.layout import check_tag, leftover_dirs, temp_dir
 from lazyzero.checkpoint.manifest import Manifest
+from lazyzero.checkpoint.staged_io import StagingBlocks
 from lazyzero.checkpoint.snapshot import (BufferBudget, FileSnapshot, HostBuffers, run_copies, snapshot_file,
                                           snapshot_state, start_device_copies)
 
@@ -50,8 +53,16 @@ class PendingCheckpoint:
     copies_done: threading.Event = field(default_factory=threading.Event)
     cuda_copies: object = None  # torch.cuda.Event of the side-stream copies
     copy_error: BaseException | None = None
+    written: list[WrittenFile] = field(default_factory=list)  # in the temporary folder, not yet fsynced
     done: threading.Event = field(default_factory=threading.Event)
     timings: dict = field(default_factory=dict)  # perf_counter marks: queued, copied, written, committed
+    step_wait_s: float = 0.0  # how long optimizer steps (or a load) waited for this snapshot
+
+    def write(self, files: list[FileSnapshot], pool: ThreadPoolExecutor, blocks: StagingBlocks) -> None:
+        """Write some of this checkpoint's files into its temporary folder (the middle of its first
+        file is the 'mid_file' failpoint)."""
+        self.written += write_files(files, temp_dir(self.save_dir, self.tag), pool, blocks,
+                                    fail_midway_in=self.files[0] if self.files else None)
 
 
 class LazyCheckpointEngine(CheckpointEngine):
@@ -76,6 +87,7 @@ class LazyCheckpointEngine(CheckpointEngine):
         self._flush_queue: queue.Queue = queue.Queue()
         self._writers = ThreadPoolExecutor(config.writer_threads, thread_name_prefix="lazyzero-ckpt-writer",
                                            initializer=_lower_priority)
+        self._staging = StagingBlocks(budget)
         self._side_stream = torch.cuda.Stream() if on_cuda else None
         self._threads = [threading.Thread(target=self._copy_loop, name="lazyzero-ckpt-copy", daemon=True),
                          threading.Thread(target=self._flush_loop, name="lazyzero-ckpt-flush", daemon=True)]
@@ -128,7 +140,9 @@ class LazyCheckpointEngine(CheckpointEngine):
         with self._lock:
             pending = list(self._pending)
         for checkpoint in pending:
+            started = time.perf_counter()
             self._wait_copies(checkpoint)
+            checkpoint.step_wait_s += time.perf_counter() - started
         self.raise_failures()
 
     def wait(self) -> None:
@@ -155,6 +169,7 @@ class LazyCheckpointEngine(CheckpointEngine):
             for thread in self._threads:
                 thread.join()
             self._writers.shutdown(wait=True)
+            self._staging.close()
 
     # --- DeepSpeed's CheckpointEngine interface --------------------------------------------------
 
@@ -236,6 +251,11 @@ class LazyCheckpointEngine(CheckpointEngine):
         while (checkpoint := self._copy_queue.get()) is not None:
             try:
                 run_copies(checkpoint.files)
+                live = [f for f in checkpoint.files if f.reads_live_state]
+                if live:
+                    if checkpoint.cuda_copies is not None:  # such a file may hold device tensors' buffers too
+                        checkpoint.cuda_copies.synchronize()
+                    checkpoint.write(live, self._writers, self._staging)
             except BaseException as err:  # noqa: BLE001 - reported through the checkpoint
                 checkpoint.copy_error = err
             checkpoint.timings["copied"] = time.perf_counter()
@@ -256,16 +276,16 @@ class LazyCheckpointEngine(CheckpointEngine):
         """Write, agree, commit. Returns the error that stopped the commit (any rank's), or None."""
         self._wait_copies(checkpoint)
         failpoint("after_snapshot")
-        folder = temp_dir(checkpoint.save_dir, checkpoint.tag)
         status = {"rank": self.rank, "error": None, "files": {}}
         try:
             if checkpoint.copy_error is not None:
                 raise checkpoint.copy_error
-            checkpoint.timings["write_start"] = time.perf_counter()
-            status["files"] = write_rank_files(checkpoint.files, folder, self.rank, self._writers)
+            checkpoint.write([f for f in checkpoint.files if not f.reads_live_state], self._writers, self._staging)
+            status["files"] = make_durable(checkpoint.written, self.rank, self._writers)
             checkpoint.timings["written"] = time.perf_counter()
             failpoint("before_manifest")
         except BaseException as err:  # noqa: BLE001 - shared with every rank below
+            discard_written(checkpoint.written)
             status["error"] = f"rank {self.rank}: {type(err).__name__}: {err}"
         statuses = self._all_gather(status)
         outcome = self._commit_if_all_written(checkpoint, statuses) if self.rank == 0 else None
@@ -300,11 +320,15 @@ class LazyCheckpointEngine(CheckpointEngine):
             else:
                 self.last_commit = {
                     "tag": checkpoint.tag, "bytes": sum(f.nbytes for f in checkpoint.files),
+                    # of which written straight from training's memory, through no host buffer
+                    "direct_bytes": sum(t.numel() * t.element_size() for f in checkpoint.files for t in f.live),
+                    # from the save: snapshot taken (the step may go on) / every file of this rank durable
                     "copy_s": marks["copied"] - marks["queued"],
-                    "write_s": marks["written"] - marks["write_start"],
+                    "write_s": marks["written"] - marks["queued"],
+                    "step_wait_s": checkpoint.step_wait_s,
                     "queued_to_committed_s": marks["committed"] - marks["queued"]}
             self._pending.remove(checkpoint)
-        checkpoint.files = []  # drop references to live tensors and buffers views
+        checkpoint.files, checkpoint.written = [], []  # drop references to live tensors and buffers
         self._free_slots.put(checkpoint.slot)
         checkpoint.done.set()
 

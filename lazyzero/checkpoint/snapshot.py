@@ -1,11 +1,17 @@
-"""Snapshots: the state DeepSpeed hands to `save`, copied into reused host buffers.
+"""Snapshots: the state DeepSpeed hands to `save`, taken while it cannot change.
 
-`save` only records what to copy (one `FileSnapshot` per file DeepSpeed writes) and swaps every
-tensor of the state for its host buffer; the copies themselves run in the background, on a copy
-thread (CPU) or a side stream (CUDA), while the next forward and backward run, and must be complete
-before the next optimizer step changes the state (DataStates-LLM: state is immutable until then).
-Non-tensor leaves are deep-copied at once: they are small and some (param_groups) change at the
-step.
+`save` only records what to do (one `FileSnapshot` per file DeepSpeed writes). The state is
+immutable until the next optimizer step (DataStates-LLM), so in the background, while the next
+forward and backward run, and before that step:
+- a host tensor that is a whole storage of its own is written to the file straight from training's
+  memory (`FileSnapshot.live`): the write into the page cache is the snapshot, with no host buffer
+  and one memcpy fewer than copying it first (on a CPU-only run, every core the copy would take is
+  training's);
+- a device tensor is copied into a reused host buffer (pinned; on a side stream), and so is a host
+  tensor that is a view of a larger storage (torch.save would write the whole storage), so that
+  the file holds exactly each tensor's bytes, as DeepSpeed's own save (which clones them) does.
+Files holding only buffers are written after the step, at leisure. Non-tensor leaves are deep-copied
+at once: they are small and some (param_groups) change at the step.
 """
 
 from __future__ import annotations
@@ -34,12 +40,18 @@ class FileSnapshot:
     raw_source: str | None = None
     raw: torch.Tensor | None = None
     copies: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # (host buffer, live tensor)
+    live: list[torch.Tensor] = field(default_factory=list)  # host tensors written from training's memory
 
     @property
     def nbytes(self) -> int:
         if self.raw is not None:
             return self.raw.numel()
-        return sum(dst.numel() * dst.element_size() for dst, _ in self.copies)
+        return sum(t.numel() * t.element_size() for t in [dst for dst, _ in self.copies] + self.live)
+
+    @property
+    def reads_live_state(self) -> bool:
+        """True when writing the file reads training's memory: it must be written before the next step."""
+        return bool(self.live)
 
 
 class HostBuffers:
@@ -84,6 +96,14 @@ class BufferBudget:
                     f"lazyzero.checkpoint.max_in_flight); raise the limit, lower max_in_flight, or set it to null")
             self.used_bytes += nbytes
 
+    def try_reserve(self, nbytes: int) -> bool:
+        """Reserve `nbytes` if the limit allows; False (nothing reserved) otherwise."""
+        try:
+            self.reserve(nbytes)
+        except HostBufferLimitError:
+            return False
+        return True
+
     def release(self, nbytes: int) -> None:
         with self._lock:
             self.used_bytes -= nbytes
@@ -119,6 +139,10 @@ def snapshot_state(relpath: str, state: Any, buffers: HostBuffers) -> FileSnapsh
         alias_key = (tensor.data_ptr(), tensor.shape, tensor.stride(), tensor.dtype, tensor.device)
         if alias_key in aliases:  # tied weights: one copy, saved once, loaded into both
             return aliases[alias_key]
+        if is_whole_host_storage(tensor):
+            snap.live.append(tensor)
+            aliases[alias_key] = tensor
+            return tensor
         buffer = buffers.get((relpath,) + key, tensor.shape, tensor.dtype)
         snap.copies.append((buffer, tensor))
         aliases[alias_key] = buffer
@@ -126,6 +150,12 @@ def snapshot_state(relpath: str, state: Any, buffers: HostBuffers) -> FileSnapsh
 
     snap.state = swap(state, ())
     return snap
+
+
+def is_whole_host_storage(tensor: torch.Tensor) -> bool:
+    """A host tensor that torch.save writes as exactly its own bytes: contiguous, the whole of its storage."""
+    return (tensor.device.type == "cpu" and tensor.is_contiguous() and tensor.storage_offset() == 0
+            and tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size())
 
 
 def snapshot_file(relpath: str, source: str | os.PathLike, buffers: HostBuffers) -> FileSnapshot:

@@ -41,6 +41,12 @@ def PowerOfTwo(low: int, high: int) -> Any:
 MemorySize = Annotated[int, BeforeValidator(parse_memory_size), Described(MEMORY_SIZE_ALLOWED)]
 """A positive byte count; accepts the strings `parse_memory_size` understands."""
 
+
+def MemorySizeAtLeast(low: int, why: str) -> Any:
+    """A MemorySize of at least `low` bytes (`why`: what needs that much)."""
+    return Annotated[int, BeforeValidator(parse_memory_size), Field(ge=low),
+                     Described(f"{MEMORY_SIZE_ALLOWED.replace('a byte count > 0', f'a byte count >= {low} ({why})')}")]
+
 NonEmptyStr = Annotated[str, Field(min_length=1)]
 
 

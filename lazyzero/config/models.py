@@ -17,7 +17,7 @@ from typing import Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from lazyzero.config.fieldtypes import LayerIndices, LayerKey, MemorySize, NonEmptyStr, PowerOfTwo
+from lazyzero.config.fieldtypes import LayerIndices, LayerKey, MemorySize, MemorySizeAtLeast, NonEmptyStr, PowerOfTwo
 
 
 class ConfigSection(BaseModel):
@@ -180,6 +180,10 @@ class OptimizerConfig(ConfigSection):
     """Compute the gradient norm and clip inside the fused step instead of in a separate pass."""
 
 
+# The checkpoint writer's staging block (lazyzero/checkpoint/staged_io.py): the least snapshot memory.
+STAGING_BLOCK_BYTES = 8 << 20
+
+
 class CheckpointConfig(ConfigSection):
     """Lazy asynchronous checkpoints: snapshot to host memory, write and commit in the background."""
 
@@ -189,8 +193,8 @@ class CheckpointConfig(ConfigSection):
     keep_last: Optional[int] = Field(None, ge=1)
     """Keep the newest N committed checkpoints and delete older ones. null: keep all."""
 
-    host_buffer_limit: Optional[MemorySize] = None
-    """Host memory for snapshot buffers. null: as much as one snapshot needs."""
+    host_buffer_limit: Optional[MemorySizeAtLeast(STAGING_BLOCK_BYTES, "one 8 MiB staging block")] = None
+    """Host memory for the snapshot: buffers of device tensors, views and NVMe swap files, and the staging blocks files are written through (at least one 8 MiB block; at the limit they wait for the disk). null: as much as one snapshot needs."""
 
     max_in_flight: int = Field(1, ge=1)
     """Snapshots that may be queued or being written at once; a further save waits."""

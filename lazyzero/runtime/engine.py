@@ -55,8 +55,10 @@ class LazyZeroEngine(DeepSpeedEngine):
         sent), `grad_fp32_wire_bytes` (what an fp32 reduction of the same buckets sends),
         `grad_exchange_s` (host seconds in the exchanges) and `grad_overflow` (step skipped).
         With lazy checkpoints, this rank's figures of the newest committed checkpoint:
-        `checkpoint_tag`, `checkpoint_bytes`, `checkpoint_copy_s`, `checkpoint_write_s` and
-        `checkpoint_commit_s` (from `save_checkpoint` returning to the commit).
+        `checkpoint_tag`, `checkpoint_bytes` (`checkpoint_direct_bytes` of them serialized straight
+        from training's memory), `checkpoint_copy_s` (from `save_checkpoint` returning to the
+        snapshot taken), `checkpoint_step_wait_s` (what optimizer steps waited for it),
+        `checkpoint_write_s` (to this rank's files durable) and `checkpoint_commit_s` (to the commit).
         With activation quantization, `activation_saved_bytes` and `activation_packed_bytes`: this
         rank's saved activations over the step's forward passes, unpacked and as stored.
         With the 8-bit optimizer, `optimizer_state_bytes`: this rank's moment state held in memory
@@ -75,6 +77,7 @@ class LazyZeroEngine(DeepSpeedEngine):
         if self.lazy_checkpoints and self.checkpoint_engine.last_commit is not None:
             commit = self.checkpoint_engine.last_commit
             metrics.update(checkpoint_tag=commit["tag"], checkpoint_bytes=commit["bytes"],
+                           checkpoint_direct_bytes=commit["direct_bytes"], checkpoint_step_wait_s=commit["step_wait_s"],
                            checkpoint_copy_s=commit["copy_s"], checkpoint_write_s=commit["write_s"],
                            checkpoint_commit_s=commit["queued_to_committed_s"])
         return metrics
@@ -207,6 +210,8 @@ class LazyZeroEngine(DeepSpeedEngine):
         """DeepSpeed's load (same arguments, same positions). A lazyzero checkpoint is verified against
         its manifest first, 'latest' falls back to the newest committed checkpoint, and this rank's
         lazyzero state is restored with the optimizer state."""
+        if self.lazy_checkpoints:  # loading changes the state: a snapshot still being taken must end first
+            self.checkpoint_engine.before_optimizer_step()
         tag = checkpointing.prepare_load(self, load_dir, tag)
         if tag is None:
             return None, None

@@ -10,6 +10,7 @@ from lazyzero.checkpoint.lazy_engine import LazyCheckpointEngine
 from lazyzero.checkpoint.layout import read_latest
 from lazyzero.checkpoint.manifest import verify_checkpoint
 from lazyzero.checkpoint.snapshot import HostBufferLimitError
+from lazyzero.checkpoint.staged_io import BLOCK_BYTES
 from lazyzero.config.models import CheckpointConfig
 
 
@@ -43,13 +44,42 @@ def test_saved_file_holds_the_state_at_save_time_not_after_the_next_update(tmp_p
 
 
 def test_buffers_over_the_host_limit_are_refused_naming_the_key(tmp_path):
-    engine = _engine(host_buffer_limit=1000)
-    with pytest.raises(HostBufferLimitError, match="lazyzero.checkpoint.host_buffer_limit: 1000 bytes"):
-        _save(engine, tmp_path, "step1", {"w": torch.zeros(1000)})
+    engine = _engine(host_buffer_limit=BLOCK_BYTES + 4096)  # one staging block and 4 KiB of buffers
+    flat = torch.zeros(BLOCK_BYTES // 4 + 4096)
+    with pytest.raises(HostBufferLimitError, match=f"lazyzero.checkpoint.host_buffer_limit: {BLOCK_BYTES + 4096} bytes"):
+        _save(engine, tmp_path, "step1", {"w": flat[:BLOCK_BYTES // 4 + 2048]})  # a view: a buffer over the limit
     engine.abandon()
-    _save(engine, tmp_path, "step2", {"w": torch.zeros(10)})  # the slot came back
+    _save(engine, tmp_path, "step2", {"w": flat[:10]})  # the slot came back
     engine.close()
     verify_checkpoint(tmp_path / "step2")
+
+
+def test_whole_host_tensors_are_written_from_training_memory_before_the_step_and_views_are_copied(tmp_path):
+    engine = _engine(host_buffer_limit=BLOCK_BYTES + 1000)  # one staging block; only the view may take a buffer
+    flat, moment = torch.arange(100, dtype=torch.float32), torch.full((4096,), 2.0)
+    _save(engine, tmp_path, "step1", {"view": flat[10:20], "moment": moment, "tied": moment})
+    engine.before_optimizer_step()
+    flat.zero_(), moment.zero_()  # the step: the file must hold the state of the save
+    engine.wait()
+    saved = torch.load(tmp_path / "step1" / "model_states.pt", weights_only=False)
+    assert torch.equal(saved["view"], torch.arange(10, 20, dtype=torch.float32)) and saved["view"].untyped_storage().nbytes() == 40
+    assert torch.equal(saved["moment"], torch.full((4096,), 2.0)) and saved["tied"] is saved["moment"]
+    assert engine._free_slots.queue[0]._budget.used_bytes == 40 + BLOCK_BYTES  # the view's buffer and the block
+    engine.close()
+
+
+def test_a_state_larger_than_the_limit_streams_through_the_staging_blocks(tmp_path):
+    engine = _engine(host_buffer_limit=2 * BLOCK_BYTES)
+    state = {"w": torch.randn(5 * BLOCK_BYTES // 4 + 123)}  # five blocks and a bit, through two
+    expected = state["w"].clone()
+    _save(engine, tmp_path, "step1", state)
+    engine.before_optimizer_step()
+    state["w"].zero_()
+    engine.close()
+    manifest = verify_checkpoint(tmp_path / "step1")
+    assert torch.equal(torch.load(tmp_path / "step1" / "model_states.pt")["w"], expected)
+    assert manifest.files["model_states.pt"]["size"] == (tmp_path / "step1" / "model_states.pt").stat().st_size
+    assert engine._staging._budget.used_bytes <= 2 * BLOCK_BYTES
 
 
 @pytest.mark.gpu

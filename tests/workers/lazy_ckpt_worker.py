@@ -29,6 +29,7 @@ A CheckpointFailedError is recorded with its call ("step", "save", "wait"), step
 of that moment instead of ending the run: a training loop that logs the failure and goes on.
 """
 
+import contextlib
 import json
 import os
 import random
@@ -43,7 +44,7 @@ import torch.distributed as dist
 import lazyzero
 from lazyzero.checkpoint import commit, durable_io, faults, lazy_engine
 from lazyzero.checkpoint.lazy_engine import CheckpointFailedError
-from lazyzero.checkpoint.layout import read_latest
+from lazyzero.checkpoint.layout import TEMP_PREFIX, read_latest
 from lazyzero.checkpoint.manifest import committed_tags
 from lazyzero.runtime.rank_state import rank_state_path
 from lazyzero.testing import destroy_engine, worker_args
@@ -326,17 +327,19 @@ def errors(out: Path, fault_cases: list[str]) -> dict:
 
 
 class SlowWriter:
-    """Random sleeps before each file write (commit.write_file) and before each snapshot's copies
-    (lazy_engine.run_copies); both names are looked up at each call, by commit.write_rank_files and
-    the copy thread. Records which tags' files are being written at any moment."""
+    """Random sleeps before each file write (commit.write_file), before each snapshot's copies
+    (lazy_engine.run_copies) and before each rank's fsyncs (lazy_engine.make_durable); the names
+    are looked up at each call, by commit.write_files, the copy thread and the flush thread. Host
+    tensors' files are written before the next step, so it is mostly the fsyncs that run while
+    training goes on. Records which tags' files are being written or made durable at any moment."""
 
     def __init__(self, seed: int, longest_write_s: float, longest_copy_s: float):
         self._random, self._lock = random.Random(seed), threading.Lock()
-        self._longest = {"write": longest_write_s, "copy": longest_copy_s}
+        self._longest = {"write": longest_write_s, "copy": longest_copy_s, "durable": longest_write_s}
         self.writing = Counter()  # tag -> files being written now
         self.calls = Counter()
-        self._originals = (commit.write_file, lazy_engine.run_copies)
-        commit.write_file, lazy_engine.run_copies = self._write, self._copy
+        self._originals = (commit.write_file, lazy_engine.run_copies, lazy_engine.make_durable)
+        commit.write_file, lazy_engine.run_copies, lazy_engine.make_durable = self._write, self._copy, self._durable
 
     def _pause(self, kind: str) -> None:
         with self._lock:
@@ -348,13 +351,24 @@ class SlowWriter:
         self._pause("copy")
         self._originals[1](files)
 
-    def _write(self, snap, folder: Path, fail_midway: bool):
-        tag = folder.name.rsplit(".", 1)[-1]  # .lazyzero-tmp.<tag>
+    def _write(self, snap, folder: Path, fail_midway: bool, blocks):
+        with self._busy(folder.name.rsplit(".", 1)[-1]):  # .lazyzero-tmp.<tag>
+            self._pause("write")
+            return self._originals[0](snap, folder, fail_midway, blocks)
+
+    def _durable(self, written, rank, pool):
+        tag = next((part.rsplit(".", 1)[-1] for w in written[:1] for part in w.path.parts
+                    if part.startswith(TEMP_PREFIX)), "?")
+        with self._busy(tag):
+            self._pause("durable")
+            return self._originals[2](written, rank, pool)
+
+    @contextlib.contextmanager
+    def _busy(self, tag: str):
         with self._lock:
             self.writing[tag] += 1
         try:
-            self._pause("write")
-            return self._originals[0](snap, folder, fail_midway)
+            yield
         finally:
             with self._lock:
                 self.writing[tag] -= 1
@@ -364,7 +378,7 @@ class SlowWriter:
             return sorted(tag for tag, count in self.writing.items() if count > 0)
 
     def remove(self) -> None:
-        commit.write_file, lazy_engine.run_copies = self._originals
+        commit.write_file, lazy_engine.run_copies, lazy_engine.make_durable = self._originals
 
 
 def slow_writer_run(out: Path, seed: int, max_in_flight: int, stage: int, steps: int = 16) -> dict:

@@ -19,7 +19,7 @@ What is reported (rank 0's clocks; steps are collective, so both ranks' clocks a
   follow it, each step's time minus the median step time of the blocks without a save just before
   and just after them (a slow drift of the step time cancels out); the median over checkpoints.
   The first checkpoint is left out of the median and reported on its own (lazyzero allocates its
-  host buffers then).
+  staging blocks and host buffers then, and first touches their pages).
 - stall_ratio_vs_deepspeed: stall_s["deepspeed"] over lazyzero's stall, where lazyzero's stall is
   floored at the noise of the measurement (`noise_s`: the same sum of step-time deviations over a
   block *without* a save against its neighbours, in absolute value, median over cycles), so that

@@ -47,6 +47,7 @@ def MemorySizeAtLeast(low: int, why: str) -> Any:
     return Annotated[int, BeforeValidator(parse_memory_size), Field(ge=low),
                      Described(f"{MEMORY_SIZE_ALLOWED.replace('a byte count > 0', f'a byte count >= {low} ({why})')}")]
 
+
 NonEmptyStr = Annotated[str, Field(min_length=1)]
 
 

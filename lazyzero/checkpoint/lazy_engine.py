@@ -320,8 +320,7 @@ class LazyCheckpointEngine(CheckpointEngine):
             else:
                 self.last_commit = {
                     "tag": checkpoint.tag, "bytes": sum(f.nbytes for f in checkpoint.files),
-                    # of which written straight from training's memory, through no host buffer
-                    "direct_bytes": sum(t.numel() * t.element_size() for f in checkpoint.files for t in f.live),
+                    "direct_bytes": sum(f.live_nbytes for f in checkpoint.files),
                     # from the save: snapshot taken (the step may go on) / every file of this rank durable
                     "copy_s": marks["copied"] - marks["queued"],
                     "write_s": marks["written"] - marks["queued"],

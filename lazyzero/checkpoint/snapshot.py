@@ -3,10 +3,10 @@
 `save` only records what to do (one `FileSnapshot` per file DeepSpeed writes). The state is
 immutable until the next optimizer step (DataStates-LLM), so in the background, while the next
 forward and backward run, and before that step:
-- a host tensor that is a whole storage of its own is written to the file straight from training's
-  memory (`FileSnapshot.live`): the write into the page cache is the snapshot, with no host buffer
-  and one memcpy fewer than copying it first (on a CPU-only run, every core the copy would take is
-  training's);
+- a host tensor that is a whole storage of its own is serialized straight from training's memory
+  (`FileSnapshot.live`): torch.save's bytes are copied into the writer's staging blocks
+  (staged_io.py), and that copy is the snapshot, with no per-tensor host buffer and no second copy
+  (on a CPU-only run, every core a copy takes is training's);
 - a device tensor is copied into a reused host buffer (pinned; on a side stream), and so is a host
   tensor that is a view of a larger storage (torch.save would write the whole storage), so that
   the file holds exactly each tensor's bytes, as DeepSpeed's own save (which clones them) does.
@@ -46,7 +46,12 @@ class FileSnapshot:
     def nbytes(self) -> int:
         if self.raw is not None:
             return self.raw.numel()
-        return sum(t.numel() * t.element_size() for t in [dst for dst, _ in self.copies] + self.live)
+        return sum(dst.numel() * dst.element_size() for dst, _ in self.copies) + self.live_nbytes
+
+    @property
+    def live_nbytes(self) -> int:
+        """Bytes serialized straight from training's memory, through no host buffer."""
+        return sum(t.numel() * t.element_size() for t in self.live)
 
     @property
     def reads_live_state(self) -> bool:

@@ -17,7 +17,7 @@ from deepspeed.utils.logging import print_dist
 
 from lazyzero.config import ActivationsConfig, LazyZeroConfig
 from lazyzero.config.plan_checks import PLANNED_FIELDS
-from lazyzero.runtime import checkpointing, optimizer_reshard, optimizer_setup
+from lazyzero.runtime import checkpointing, optimizer_reshard, optimizer_setup, zero3_reshard
 from lazyzero.runtime.activation_setup import ActivationMemory
 from lazyzero.runtime.grad_exchange_hooks import install_int8_gradients
 from lazyzero.runtime.nvme_8bit_swap import eight_bit_state_swapping
@@ -34,6 +34,7 @@ class LazyZeroEngine(DeepSpeedEngine):
         # extend, run inside it and need to know which features are on.
         self.lazyzero_config = lazyzero_config
         self.active_plan = active_plan
+        self._resharding_zero3 = False  # set only inside load_checkpoint
         optimizer_setup.check_optimizer_source(lazyzero_config, kwargs.get("optimizer"), kwargs.get("config_class"))
         super().__init__(*args, **kwargs)
         self._gradient_exchange = None
@@ -217,12 +218,20 @@ class LazyZeroEngine(DeepSpeedEngine):
             return None, None
         reshard = (self.uses_8bit_optimizer and load_optimizer_states and not load_module_only
                    and optimizer_reshard.reshard_needed(self, load_dir, tag))
-        load_path, client_state = super().load_checkpoint(
-            load_dir, tag=tag, load_module_strict=load_module_strict,
-            load_optimizer_states=load_optimizer_states and not reshard,
-            load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only,
-            custom_load_fn=custom_load_fn)
-        if reshard and load_path is not None:
+        # ZeRO 1/2: DeepSpeed loads the weights, the states are re-split afterwards. ZeRO-3 keeps
+        # load_optimizer_states on, so that DeepSpeed reads the module's placeholders and calls
+        # _load_zero_checkpoint, where the re-split takes the place of its rank-count check.
+        resplit_after_load = reshard and self.zero_optimization_stage() in (1, 2)
+        self._resharding_zero3 = reshard and not resplit_after_load
+        try:
+            load_path, client_state = super().load_checkpoint(
+                load_dir, tag=tag, load_module_strict=load_module_strict,
+                load_optimizer_states=load_optimizer_states and not resplit_after_load,
+                load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only,
+                custom_load_fn=custom_load_fn)
+        finally:
+            self._resharding_zero3 = False
+        if resplit_after_load and load_path is not None:
             optimizer_reshard.restore_resharded_states(self, load_dir, tag)
         if load_path is not None and load_optimizer_states and not load_module_only:
             if self.zero_nvme_offload_optimizer():
@@ -230,6 +239,19 @@ class LazyZeroEngine(DeepSpeedEngine):
             replay_cpu_adam_after_load(self)
             checkpointing.restore_rank_state(self, os.path.join(load_dir, tag))
         return load_path, client_state
+
+    def _get_all_ckpt_names(self, checkpoints_path, tag):
+        names = super()._get_all_ckpt_names(checkpoints_path, tag)
+        if not names and self._resharding_zero3:
+            # A rank beyond the saved ones: every ZeRO-3 rank's model states are alike.
+            return [zero3_reshard.model_states_file(checkpoints_path, tag)]
+        return names
+
+    def _load_zero_checkpoint(self, load_dir, tag, load_optimizer_states=True):
+        if not self._resharding_zero3:
+            return super()._load_zero_checkpoint(load_dir, tag, load_optimizer_states=load_optimizer_states)
+        optimizer_reshard.restore_resharded_states(self, load_dir, tag)
+        return True
 
     def destroy(self):
         if self.lazy_checkpoints and getattr(self, "checkpoint_engine", None) is not None:

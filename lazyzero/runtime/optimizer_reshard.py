@@ -1,4 +1,5 @@
-"""Reload 8-bit optimizer states on a different number of data-parallel ranks (ZeRO 1 and 2).
+"""Reload 8-bit optimizer states on a different number of data-parallel ranks (ZeRO 1 and 2 here,
+ZeRO-3 in zero3_reshard.py).
 
 DeepSpeed re-splits optimizer states for another rank count only through its elastic or universal
 checkpoints, which treat every state as an fp32 slice of the partition. The 8-bit states are codes
@@ -18,11 +19,10 @@ import os
 
 import deepspeed.comm as dist
 import torch
+from deepspeed.checkpoint.constants import BASE_OPTIMIZER_STATE, OPTIMIZER_STATE_DICT
 
 from lazyzero.optim.adam8bit import decode_moments, encode_moments
-
-OPTIMIZER_STATE_DICT = "optimizer_state_dict"
-BASE_OPTIMIZER_STATE = "base_optimizer_state"
+from lazyzero.runtime import zero3_reshard
 
 
 def saved_optimizer_files(load_dir: str, tag: str) -> list[str]:
@@ -33,20 +33,24 @@ def saved_optimizer_files(load_dir: str, tag: str) -> list[str]:
 
 def reshard_needed(engine, load_dir: str, tag: str) -> bool:
     """True when the tag was saved by another number of data-parallel ranks and can be re-split here;
-    a ValueError naming both counts when it cannot (ZeRO-3)."""
+    a ValueError naming both counts and the reason when it cannot."""
     saved = len(saved_optimizer_files(load_dir, tag))
     if saved == 0 or saved == engine.dp_world_size:
         return False
-    if engine.zero_optimization_stage() not in (1, 2):
+    why_not = zero3_reshard.refusal(engine) if engine.zero_optimization_stage() == 3 else None
+    if why_not:
         raise ValueError(
             f"checkpoint {os.path.join(load_dir, str(tag))} was saved by {saved} data-parallel ranks, this run has "
-            f"{engine.dp_world_size}: 8-bit optimizer states are re-split for ZeRO stages 1 and 2 only; load with "
-            f"{saved} ranks, or with load_optimizer_states=False to restart the optimizer")
+            f"{engine.dp_world_size}: 8-bit optimizer states cannot be re-split {why_not}; load with {saved} "
+            "ranks, or with load_optimizer_states=False to restart the optimizer")
     return True
 
 
 def restore_resharded_states(engine, load_dir: str, tag: str) -> None:
     """Fill this rank's optimizer states from all saved ranks' files (see the module docstring)."""
+    if engine.zero_optimization_stage() == 3:
+        zero3_reshard.restore(engine, saved_optimizer_files(load_dir, tag), load_dir, tag)
+        return
     saved = [torch.load(path, map_location="cpu", weights_only=False)[OPTIMIZER_STATE_DICT][BASE_OPTIMIZER_STATE]
              for path in saved_optimizer_files(load_dir, tag)]
     optimizer = engine.basic_optimizer

@@ -16,7 +16,7 @@ WORKER = Path(__file__).parents[1] / "workers" / "optim8bit_worker.py"
 NORM_LAYOUTS = ["0", "1", "2", "3", "1+cpu", "2+cpu", "3+cpu"]
 # The default suite runs these in one launch of 2 ranks; `-m slow` adds the rest of the matrix.
 DEFAULT_CASES = {"norm": NORM_LAYOUTS, "clip": ["3+cpu"], "nonfinite": ["0", "3+cpu"],
-                 "resume": ["2:deepspeed", "3+cpu:lazy"], "reshard_save": ["2"]}
+                 "resume": ["2:deepspeed", "3+cpu:lazy"], "reshard_save": ["2", "3", "3+cpu"]}
 SLOW_CASES = {"clip": ["1", "2"], "nonfinite": ["1", "2", "3"],
               "resume": ["1:deepspeed", "3:deepspeed", "3+cpu:deepspeed", "2:lazy"]}
 
@@ -104,19 +104,39 @@ def test_the_rest_of_the_matrix(slow_run):
     check_resume(slow_run, SLOW_CASES["resume"])
 
 
-def test_reload_on_a_different_number_of_ranks_resplits_the_states(default_run):
-    out = default_run[0]
-    loaded = run_distributed("deepspeed", 1, [str(WORKER), "reshard_load", str(out), "2", "2"], timeout=900)
-    assert loaded.returncode == 0, loaded.stdout[-6000:]
-    result = json.loads((out / "reshard_load_rank0.json").read_text())
-    assert any(group["eight_bit"] for group in result["groups"])
-    for group in result["groups"]:
-        assert group["step"] == group["saved_step"] == 6
-        bound = TOLERANCES["reshard_requantization"] if group["eight_bit"] else 0.0
-        assert group["exp_avg"] <= bound and group["exp_avg_sq"] <= bound, group
-        # Block edges moved (5000 elements per saved rank), so the moments were really re-encoded.
-        assert not group["eight_bit"] or group["exp_avg"] > 0.0
+def check_resplit(result: dict, saved_step: int) -> None:
+    """A load on another number of ranks: master weights and fp32 moments exactly the saved ones cut
+    at the new boundaries, 8-bit moments within re-encoding, steps carried over, training goes on."""
+    entries = result["entries"]
+    assert any(entry["eight_bit"] for entry in entries)
+    for entry in entries:
+        assert entry["step"] == entry["saved_step"] == saved_step, entry
+        assert entry["value"] == 0.0, entry
+        bound = TOLERANCES["reshard_requantization"] if entry["eight_bit"] else 0.0
+        assert entry["exp_avg"] <= bound and entry["exp_avg_sq"] <= bound, entry
+    # Block edges moved, so the 8-bit moments were really decoded and encoded again.
+    assert any(entry["exp_avg"] > 0.0 for entry in entries if entry["eight_bit"])
     assert all(loss == loss and abs(loss) < 1e3 for loss in result["losses"])
-    # ZeRO-3 cannot be re-split yet: refused before anything is loaded, naming both rank counts.
-    assert "saved by 2 data-parallel ranks, this run has 1" in result["stage3_error"]
-    assert "ZeRO stages 1 and 2 only" in result["stage3_error"]
+
+
+def test_reload_on_a_different_number_of_ranks_resplits_the_states(default_run):
+    """2 ranks -> 1 on ZeRO-2, ZeRO-3 and ZeRO-3 with CPU offload (sub-groups of 3000 elements, so
+    their edges move too), then the ZeRO-3 save of that 1-rank run -> 2 ranks (a rank with no files
+    of its own in the checkpoint)."""
+    out = default_run[0]
+    cases = ["2:reshard_2:2", "3:reshard_3:2", "3+cpu:reshard_3_cpu:2"]
+    one = run_distributed("deepspeed", 1, [str(WORKER), "runs", str(out), f"reshard_load={','.join(cases)}",
+                                           "reshard_refused=reshard_3"], timeout=900)
+    assert one.returncode == 0, one.stdout[-6000:]
+    result = json.loads((out / "runs_rank0.json").read_text())
+    for case in cases:
+        check_resplit(result["reshard_load"][case], saved_step=6)
+    error = result["reshard_refused"]
+    assert "saved by 2 data-parallel ranks, this run has 1" in error and "on NVMe" in error, error
+
+    two = run_distributed("deepspeed", 2, [str(WORKER), "runs", str(out), "reshard_load=3:reshard_3_on1:1"],
+                          timeout=900)
+    assert two.returncode == 0, two.stdout[-6000:]
+    for rank in range(2):
+        check_resplit(json.loads((out / f"runs_rank{rank}.json").read_text())["reshard_load"]["3:reshard_3_on1:1"],
+                      saved_step=16)

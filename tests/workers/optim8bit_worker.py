@@ -20,11 +20,14 @@ Usage (under the deepspeed launcher); each mode writes OUT/<mode>_rank<r>.json, 
   resume OUT LAYOUT:ENGINE ...
       ENGINE deepspeed|lazy: 6 steps, save, 6 more (losses A); a fresh engine loads the save and
       runs the same 6 steps (losses B), then compares its optimizer codes with the first run's.
-  reshard_save OUT LAYOUT / reshard_load OUT LAYOUT SAVED_RANKS
-      6 steps and a save on one number of ranks (each rank's fp32-decoded moments beside it); then
-      a load on another number of ranks: its moments against the saved ones cut at the new
-      partition boundaries (relative L2 error per group), the step, and 10 more losses; then the
-      error of loading resume's 2-rank ZeRO-3 checkpoint ("3+cpu:lazy", run before) here.
+  reshard_save OUT LAYOUT ... / reshard_load OUT LAYOUT:SOURCE:SAVED_RANKS ...
+      6 steps and a save on one number of ranks (each rank's pieces of the master weights and of
+      the fp32-decoded moments beside it); then a load on another number of ranks: its pieces
+      against the saved ones cut at the new partition boundaries (relative L2 error per ZeRO-1/2
+      group or ZeRO-3 parameter), the step, 10 more losses, and a save on this number of ranks
+      (loaded by the next launch in the other direction).
+  reshard_refused OUT SOURCE
+      the error of a re-split that is refused: OUT/SOURCE on ZeRO-3 with NVMe optimizer offload.
 """
 
 import json
@@ -36,6 +39,7 @@ import torch
 import torch.distributed as dist
 
 import lazyzero
+from lazyzero.optim.adam8bit import decode_moments
 from lazyzero.testing import destroy_engine, worker_args
 
 INPUTS, HIDDEN, OUTPUTS, BATCH = 16, 100, 4, 8
@@ -50,11 +54,14 @@ def build_model(dtype=torch.float32) -> torch.nn.Module:
 
 
 def ds_config(layout: str, clipping: float = 1.0, fused_clipping: bool = True, lazy: bool = False,
-              min_8bit_size: int = 4096) -> dict:
+              min_8bit_size: int = 4096, zero_options: dict | None = None) -> dict:
+    """LAYOUT is STAGE[+cpu|+nvme:PATH]; zero_options are added to "zero_optimization"."""
     stage, _, offload = layout.partition("+")
     zero = {"stage": int(stage), "stage3_param_persistence_threshold": 0} if int(stage) == 3 else {"stage": int(stage)}
     if offload:
-        zero["offload_optimizer"] = {"device": offload}
+        device, _, nvme_path = offload.partition(":")
+        zero["offload_optimizer"] = {"device": device, **({"nvme_path": nvme_path} if nvme_path else {})}
+    zero.update(zero_options or {})
     lazyzero_section = {"optimizer": {"type": "adamw8bit", "min_8bit_size": min_8bit_size,
                                       "fused_clipping": fused_clipping}}
     if lazy:
@@ -212,56 +219,103 @@ def resume(out: Path, cases: list[str]) -> dict:
     return results
 
 
-def dequantized_moments(engine) -> list[dict]:
-    """Per optimizer group: this rank's partition of both moments in fp32, and the step."""
-    optimizer = engine.basic_optimizer
-    moments = []
-    for group in optimizer.param_groups:
-        (partition,) = group["params"]
-        state = optimizer.dequantized_state(partition)
-        moments.append({"exp_avg": state["exp_avg"].view(-1).clone(), "exp_avg_sq": state["exp_avg_sq"].view(-1).clone(),
-                        "step": optimizer.state[partition]["step"],
-                        "eight_bit": "m_codes" in optimizer.state[partition]})
-    return moments
+def optimizer_pieces(engine) -> dict:
+    """This rank's pieces of the fp32 master weights and of both moments (fp32), with the 8-bit
+    flag and the step: by group index on ZeRO 1/2 (its flat partition), by parameter name on ZeRO-3
+    (each sub-group's flat cut at its parameters' partition sizes, as DeepSpeed lays it out)."""
+    optimizer, zero = engine.basic_optimizer, engine.optimizer
+    if engine.zero_optimization_stage() != 3:
+        return {str(index): flat_piece(optimizer, group, group["params"][0], 0, group["params"][0].numel())
+                for index, group in enumerate(optimizer.param_groups)}
+    pieces = {}
+    for sub_group, params in enumerate(zero.fp16_groups):
+        flat = zero.fp32_partitioned_groups_flat[sub_group]
+        group = optimizer.param_groups[zero.sub_group_to_group_id[sub_group]]
+        offset = 0
+        for param in params:
+            pieces[engine.param_names[param]] = flat_piece(optimizer, group, flat, offset, param.partition_numel())
+            offset += param.partition_numel()
+    return pieces
 
 
-def reshard_save(out: Path, layout: str) -> dict:
-    engine = new_engine(layout)
-    losses = [train_step(engine, step) for step in range(6)]
-    engine.save_checkpoint(str(out / "ckpt"), tag="step6")
-    torch.save(dequantized_moments(engine), out / f"moments_rank{engine.global_rank}.pt")
-    destroy_engine(engine)
-    return {"losses": losses}
+def flat_piece(optimizer, group: dict, flat: torch.Tensor, offset: int, size: int) -> dict:
+    state = optimizer.state[flat]
+    if "m_codes" in state:
+        m, sqrt_v = decode_moments(state, group["block_size"])
+        moments = {"exp_avg": m, "exp_avg_sq": sqrt_v * sqrt_v}
+    else:
+        moments = {key: state[key].view(-1) for key in ("exp_avg", "exp_avg_sq")}
+    columns = {"value": flat.detach().view(-1), **moments}
+    return {**{key: value[offset:offset + size].float().clone() for key, value in columns.items()},
+            "step": state["step"], "eight_bit": "m_codes" in state}
 
 
-def reshard_load(out: Path, layout: str, saved_ranks: int) -> dict:
-    """Load the checkpoint of `reshard_save` on this (different) number of ranks; compare moments."""
-    engine = new_engine(layout)
-    engine.load_checkpoint(str(out / "ckpt"), tag="step6")
-    loaded = dequantized_moments(engine)
-    saved = [torch.load(out / f"moments_rank{rank}.pt") for rank in range(saved_ranks)]
-    groups = []
-    for index, mine in enumerate(loaded):
-        size = mine["exp_avg"].numel()
-        start = dist.get_rank() * size
-        entry = {"eight_bit": mine["eight_bit"], "step": mine["step"], "saved_step": saved[0][index]["step"]}
-        for key in ("exp_avg", "exp_avg_sq"):
-            whole = torch.cat([part[index][key] for part in saved])
+def compare_pieces(loaded: dict, saved: list[dict], rank: int) -> list[dict]:
+    """Relative L2 error of each loaded piece against the saved ranks' pieces joined and cut at this
+    rank's new boundaries (ZeRO pads only the end of the last piece, with zeros, so joining the saved
+    pieces gives the whole tensor, padded)."""
+    entries = []
+    for key, mine in loaded.items():
+        size = mine["value"].numel()
+        entry = {"key": key, "eight_bit": mine["eight_bit"], "step": mine["step"], "saved_step": saved[0][key]["step"]}
+        for column in ("value", "exp_avg", "exp_avg_sq"):
+            whole = torch.cat([part[key][column] for part in saved])
             expected = torch.zeros(size)
-            available = max(0, min(size, whole.numel() - start))
-            expected[:available] = whole[start:start + available]
-            entry[key] = float((mine[key] - expected).norm() / expected.norm().clamp_min(1e-30))
-        groups.append(entry)
-    losses = [train_step(engine, step) for step in range(6, 16)]
-    destroy_engine(engine)
-    return {"groups": groups, "losses": losses, "stage3_error": stage3_reshard_error(out)}
+            available = max(0, min(size, whole.numel() - rank * size))
+            expected[:available] = whole[rank * size:rank * size + available]
+            entry[column] = float((mine[column] - expected).norm() / expected.norm().clamp_min(1e-30))
+        entries.append(entry)
+    return entries
 
 
-def stage3_reshard_error(out: Path) -> str | None:
-    """The message of loading the 2-rank ZeRO-3 checkpoint of `resume` ("3+cpu:lazy") on this rank count."""
-    engine = new_engine("3+cpu", lazy=True)
+def reshard_config(layout: str) -> dict:
+    # ZeRO-3 with small sub-groups: their number and edges depend on the rank count. With CPU offload
+    # the lazy checkpoint engine writes the files.
+    zero3 = {"zero_options": {"sub_group_size": 3000}} if layout.startswith("3") else {}
+    return {**zero3, "lazy": layout.endswith("+cpu")}
+
+
+def save_with_pieces(engine, directory: Path) -> None:
+    engine.save_checkpoint(str(directory), tag="saved")
+    engine.wait_for_checkpoints()
+    torch.save(optimizer_pieces(engine), directory / f"pieces_rank{engine.global_rank}.pt")
+
+
+def reshard_save(out: Path, layouts: list[str]) -> dict:
+    """Per layout: 6 steps, then a save (to OUT/reshard_<layout>) with each rank's pieces beside it."""
+    results = {}
+    for layout in layouts:
+        engine = new_engine(layout, **reshard_config(layout))
+        results[layout] = [train_step(engine, step) for step in range(6)]
+        save_with_pieces(engine, out / f"reshard_{layout}".replace("+", "_"))
+        destroy_engine(engine)
+    return results
+
+
+def reshard_load(out: Path, cases: list[str]) -> dict:
+    """Per case LAYOUT:SOURCE:SAVED_RANKS: load OUT/SOURCE (saved by SAVED_RANKS ranks) on this number
+    of ranks and compare the pieces; 10 more steps; then save again, to OUT/SOURCE_on<ranks>."""
+    results = {}
+    for case in cases:
+        layout, source, saved_ranks = case.split(":")
+        engine = new_engine(layout, **reshard_config(layout))
+        engine.load_checkpoint(str(out / source), tag="saved")
+        saved = [torch.load(out / source / f"pieces_rank{rank}.pt") for rank in range(int(saved_ranks))]
+        entries = compare_pieces(optimizer_pieces(engine), saved, dist.get_rank())
+        losses = [train_step(engine, step) for step in range(6, 16)]
+        save_with_pieces(engine, out / f"{source}_on{dist.get_world_size()}")
+        destroy_engine(engine)
+        results[case] = {"entries": entries, "losses": losses}
+    return results
+
+
+def refused_reshard_error(out: Path, source: str) -> str | None:
+    """The message of loading OUT/SOURCE, a ZeRO-3 checkpoint saved by another number of ranks, with
+    the optimizer states on NVMe: a re-split this version refuses."""
+    (out / "nvme").mkdir(exist_ok=True)
+    engine = new_engine(f"3+nvme:{out / 'nvme'}", **reshard_config("3"))
     try:
-        engine.load_checkpoint(str(out / "ckpt_3_cpu_lazy"), tag="step6")
+        engine.load_checkpoint(str(out / source), tag="saved")
         return None
     except ValueError as error:
         return str(error)
@@ -274,8 +328,9 @@ MODES = {
     "clip": lambda out, cases: clip(cases),
     "nonfinite": lambda out, cases: nonfinite(cases),
     "resume": resume,
-    "reshard_save": lambda out, cases: reshard_save(out, cases[0]),
-    "reshard_load": lambda out, cases: reshard_load(out, cases[0], int(cases[1])),
+    "reshard_save": reshard_save,
+    "reshard_load": reshard_load,
+    "reshard_refused": lambda out, cases: refused_reshard_error(out, cases[0]),
 }
 
 

@@ -18,6 +18,15 @@ Cases, timed interleaved in one run (`common.median_seconds`):
 
 All CPU cases run on the same thread count (`--threads`, default: every core). With CUDA, our
 AdamW8bit is also timed against torch's fused AdamW on the GPU (keys prefixed `gpu_`).
+
+`clip_overhead` above counts the norm pass as clipping's cost. A DeepSpeed engine computes the
+global norm on every step whether it clips or not (it reports it, and the 8-bit engine skips a step
+on a non-finite norm), so what switching `gradient_clipping` on costs in training is what comes on
+top of that. `engine_clip_overhead` measures it: one rank, ZeRO-2, the same 100M parameters as 4
+linear layers, `engine.step()` timed with the clip threshold set low enough that every step clips,
+against the same engine with it at 0, alternating step by step; once with lazyzero's 8-bit
+optimizer and fused clipping, once with DeepSpeed's own AdamW and clip pass
+(`engine_clip_overhead_deepspeed`).
 Targets (issue 5): speed_ratio_vs_ds_cpu_adam >= 1, speed_ratio_vs_torch_adamw >= 3,
 state_bytes_per_param <= 2.1, clip_overhead <= 1.05.
 
@@ -28,7 +37,9 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -39,6 +50,7 @@ from common import median_seconds, pin_threads, write_results  # noqa: E402
 
 from lazyzero.ops import build  # noqa: E402
 from lazyzero.optim import AdamW8bit, clipping  # noqa: E402
+from lazyzero.testing import destroy_engine, free_port  # noqa: E402
 
 PARAMETERS = 100_000_000
 TENSORS = 4
@@ -50,6 +62,9 @@ PARAMETER_STD = 2e-2
 MAX_GRAD_NORM = 1.0
 LOSS_SCALE = 1.0
 TORCH_ADAMW_VARIANTS = ("torch_adamw_foreach", "torch_adamw_fused")
+ENGINE_BATCH = 8
+# Far below the gradients' norm (recorded as engine_grad_norm), so that every clipped step clips.
+ENGINE_CLIP = 1e-6
 
 Factory = Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]
 
@@ -194,6 +209,57 @@ def cpu_details(seconds: dict[str, float], optimizers: dict[str, torch.optim.Opt
     }
 
 
+def engine_config(eight_bit: bool) -> dict:
+    config = {"train_micro_batch_size_per_gpu": ENGINE_BATCH, "gradient_accumulation_steps": 1,
+              "gradient_clipping": ENGINE_CLIP,
+              "optimizer": {"type": "AdamW", "params": {"lr": HYPERPARAMETERS["lr"], "betas": list(HYPERPARAMETERS["betas"]),
+                                                        "eps": HYPERPARAMETERS["eps"],
+                                                        "weight_decay": HYPERPARAMETERS["weight_decay"]}},
+              "zero_optimization": {"stage": 2}, "steps_per_print": 10**9}
+    if eight_bit:
+        config["lazyzero"] = {"optimizer": {"type": "adamw8bit"}}
+    return config
+
+
+def engine_step_seconds(eight_bit: bool, repeats: int) -> dict[str, float]:
+    """Median `engine.step()` seconds with every step clipped and with clipping off, alternating."""
+    import lazyzero
+
+    torch.manual_seed(0)
+    width = int((PARAMETERS // TENSORS) ** 0.5)
+    model = torch.nn.Sequential(*[torch.nn.Linear(width, width, bias=False) for _ in range(TENSORS)])
+    engine, _, _, _ = lazyzero.initialize(model=model, model_parameters=model.parameters(),
+                                          config=engine_config(eight_bit))
+    inputs = torch.randn(ENGINE_BATCH, width)
+    timings: dict[str, list[float]] = {"clipped": [], "unclipped": []}
+    for index in range(2 * (repeats + 1)):
+        case = "clipped" if index % 2 == 0 else "unclipped"
+        engine.optimizer.clip_grad = ENGINE_CLIP if case == "clipped" else 0.0
+        engine.backward(engine(inputs).square().mean())
+        start = time.perf_counter()
+        engine.step()
+        if index >= 2:  # the first pair warms up (state allocation)
+            timings[case].append(time.perf_counter() - start)
+    norm = float(engine.get_global_grad_norm())
+    destroy_engine(engine)
+    return {**{case: statistics.median(values) for case, values in timings.items()}, "grad_norm": norm}
+
+
+def measure_engine_clipping(repeats: int) -> tuple[dict[str, float], dict]:
+    """Clip overhead of a whole ZeRO-2 engine step, ours and DeepSpeed's (see the module docstring)."""
+    import deepspeed
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", LOCAL_RANK="0",
+                      WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
+    deepspeed.init_distributed(dist_backend="gloo")
+    seconds = {"lazyzero_adamw8bit": engine_step_seconds(True, repeats),
+               "deepspeed_adamw": engine_step_seconds(False, repeats)}
+    results = {"engine_clip_overhead": seconds["lazyzero_adamw8bit"]["clipped"] / seconds["lazyzero_adamw8bit"]["unclipped"],
+               "engine_clip_overhead_deepspeed": seconds["deepspeed_adamw"]["clipped"] / seconds["deepspeed_adamw"]["unclipped"]}
+    return results, {"engine_step_seconds": seconds, "engine_setup": {"zero_stage": 2, "ranks": 1,
+                                                                      "batch": ENGINE_BATCH, "clip": ENGINE_CLIP}}
+
+
 def measure_gpu(repeats: int) -> tuple[dict[str, float], dict]:
     """Our AdamW8bit on CUDA tensors against torch's fused AdamW there, and the clip overhead."""
     initial = random_tensors("cuda", PARAMETER_STD, seed=0)
@@ -220,6 +286,9 @@ def main() -> None:
     if not build.ensure_native("cpu"):
         raise SystemExit("the C++ kernels are unavailable:\n" + build.format_status(build.status()))
     results, details = measure_cpu(repeats=5 if args.quick else 21)
+    engine_results, engine_details = measure_engine_clipping(repeats=5 if args.quick else 15)
+    results.update(engine_results)
+    details.update(engine_details)
     if torch.cuda.is_available():
         build.ensure_native("cuda")  # raises, naming the reason, when the CUDA kernels cannot load
         gpu_results, details["gpu"] = measure_gpu(repeats=20 if args.quick else 100)

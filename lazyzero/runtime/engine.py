@@ -191,8 +191,12 @@ class LazyZeroEngine(DeepSpeedEngine):
 
     def zero_nvme_offload_optimizer(self):
         # During a lazy save DeepSpeed must not copy the swap folder itself (synchronously, outside
-        # the commit): the snapshot reads it instead (snapshot_nvme_optimizer_files).
-        return False if getattr(self, "_inside_lazy_save", False) else super().zero_nvme_offload_optimizer()
+        # the commit): the snapshot reads it instead (snapshot_nvme_optimizer_files). During a
+        # re-split load it must not copy this rank's saved swap files back (they hold another
+        # layout) but call _load_zero_checkpoint, which reads every saved rank's.
+        if getattr(self, "_inside_lazy_save", False) or self._resharding_zero3:
+            return False
+        return super().zero_nvme_offload_optimizer()
 
     def _take_model_step(self, lr_kwargs):
         if self.lazy_checkpoints:
@@ -234,7 +238,7 @@ class LazyZeroEngine(DeepSpeedEngine):
         if resplit_after_load and load_path is not None:
             optimizer_reshard.restore_resharded_states(self, load_dir, tag)
         if load_path is not None and load_optimizer_states and not load_module_only:
-            if self.zero_nvme_offload_optimizer():
+            if self.zero_nvme_offload_optimizer() and not reshard:
                 restore_nvme_offloaded_state(self, load_dir, tag)
             replay_cpu_adam_after_load(self)
             checkpointing.restore_rank_state(self, os.path.join(load_dir, tag))

@@ -45,13 +45,44 @@ def test_packed_8bit_swap_files_are_a_quarter_of_fp32_moments(tmp_path):
         assert abs(sum(packed.values()) / moments - expected) < 0.005, (packed, moments)
 
 
-@pytest.mark.parametrize("checkpoints", ["deepspeed", pytest.param("lazy", marks=pytest.mark.slow)])
-def test_resume_from_a_checkpoint_is_exact(tmp_path, checkpoints):
-    # Two launches: DeepSpeed names swap files by parameter ids, which count up within a process.
-    saved = run_worker(tmp_path, "save", checkpoints)
-    loaded = run_worker(tmp_path, "load", checkpoints)
+@pytest.fixture(scope="module")
+def deepspeed_save(tmp_path_factory) -> tuple[Path, list[dict]]:
+    out = tmp_path_factory.mktemp("nvme_save")
+    return out, run_worker(out, "save", "deepspeed")
+
+
+def check_resume(out: Path, saved: list[dict], checkpoints: str) -> None:
+    # Another launch: DeepSpeed names swap files by parameter ids, which count up within a process.
+    loaded = run_worker(out, "load", checkpoints)
     for before, after in zip(saved, loaded):
         assert after["resumed"] == before["continued"]
         assert after["parameters"] == before["parameters"]
         assert len(before["packed"]) == 2
         assert after["packed"] == before["packed"]
+
+
+def test_resume_from_a_checkpoint_is_exact(deepspeed_save):
+    check_resume(*deepspeed_save, "deepspeed")
+
+
+@pytest.mark.slow
+def test_resume_from_a_lazy_checkpoint_is_exact(tmp_path):
+    check_resume(tmp_path, run_worker(tmp_path, "save", "lazy"), "lazy")
+
+
+def test_reload_on_another_number_of_ranks_reads_and_writes_swap_files(deepspeed_save):
+    """The 2-rank checkpoints loaded on 1 rank. NVMe and CPU offload train alike bit for bit (above),
+    so the NVMe checkpoint, re-split with CPU or NVMe offload, must continue exactly as the CPU
+    checkpoint re-split with CPU offload, whose pieces test_engine_8bit.py checks one by one."""
+    out, saved = deepspeed_save
+    assert saved[0]["first"] == saved[0]["first_cpu"]
+    proc = run_distributed("deepspeed", 1, [str(WORKER), "reshard", str(out)], timeout=900)
+    assert proc.returncode == 0, proc.stdout[-6000:]
+    result = json.loads((out / "reshard_rank0.json").read_text())
+    reference = result["cpu_from_cpu"]
+    assert all(loss == loss and abs(loss) < 1e3 for loss in reference["losses"]), reference["losses"]
+    for case in ("cpu_from_nvme", "nvme_from_nvme"):
+        assert result[case]["losses"] == reference["losses"], case
+        assert result[case]["parameters"] == reference["parameters"], case
+    # This run swapped its own 8-bit states (two sub-groups large enough) after the re-split.
+    assert result["nvme_from_nvme"]["packed_files"] == 2

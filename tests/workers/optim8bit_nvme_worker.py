@@ -92,7 +92,9 @@ def swap_files(out: Path, lazy: bool) -> dict:
 
 
 def save(out: Path, lazy: bool) -> dict:
-    """4 steps, save, 4 more: the losses, and the parameters and packed states the resume must reach."""
+    """4 steps, save, 4 more: the losses, and the parameters and packed states the resume must reach.
+    Then the same 4 steps with CPU optimizer offload (the same training, bit for bit) and a save of
+    those to OUT/ckpt_cpu, for `reshard`."""
     engine = new_engine(nvme_config("nvme", out / "nvme_first", lazy=lazy))
     first = [train_step(engine, step) for step in range(4)]
     engine.save_checkpoint(str(out / "ckpt"), tag="step4")
@@ -101,7 +103,29 @@ def save(out: Path, lazy: bool) -> dict:
               "packed": packed_state_digests(engine)}
     engine.wait_for_checkpoints()
     destroy_engine(engine)
+    engine = new_engine(nvme_config("cpu", lazy=lazy))
+    result["first_cpu"] = [train_step(engine, step) for step in range(4)]
+    engine.save_checkpoint(str(out / "ckpt_cpu"), tag="step4")
+    engine.wait_for_checkpoints()
+    destroy_engine(engine)
     return result
+
+
+def reshard(out: Path, lazy: bool) -> dict:
+    """On another number of ranks than `save`'s: its CPU-offload checkpoint loaded with CPU offload
+    (the re-split of in-memory state), its NVMe checkpoint loaded with CPU offload (reading the
+    saved swap files) and with NVMe offload (writing this run's); 4 more steps each."""
+    results = {}
+    for name, device, source in (("cpu_from_cpu", "cpu", "ckpt_cpu"), ("cpu_from_nvme", "cpu", "ckpt"),
+                                 ("nvme_from_nvme", "nvme", "ckpt")):
+        nvme_path = out / f"nvme_reshard_{name}" if device == "nvme" else None
+        engine = new_engine(nvme_config(device, nvme_path, lazy=lazy))
+        engine.load_checkpoint(str(out / source), tag="step4")
+        losses = [train_step(engine, step) for step in range(4, 8)]
+        results[name] = {"losses": losses, "parameters": full_parameters(engine),
+                         "packed_files": len(packed_state_digests(engine)) if nvme_path else 0}
+        destroy_engine(engine)
+    return results
 
 
 def load(out: Path, lazy: bool) -> dict:
@@ -119,7 +143,7 @@ def main() -> None:
     args = worker_args()
     mode, out, lazy = args[0], Path(args[1]), args[2:] == ["lazy"]
     out.mkdir(parents=True, exist_ok=True)
-    modes = {"offload": offload, "swap_files": swap_files, "save": save, "load": load}
+    modes = {"offload": offload, "swap_files": swap_files, "save": save, "load": load, "reshard": reshard}
     result = modes[mode](out, lazy)
     (out / f"{mode}_rank{dist.get_rank()}.json").write_text(json.dumps(result))
     dist.destroy_process_group()

@@ -27,7 +27,7 @@ Usage (under the deepspeed launcher); each mode writes OUT/<mode>_rank<r>.json, 
       group or ZeRO-3 parameter), the step, 10 more losses, and a save on this number of ranks
       (loaded by the next launch in the other direction).
   reshard_refused OUT SOURCE
-      the error of a re-split that is refused: OUT/SOURCE on ZeRO-3 with NVMe optimizer offload.
+      the error of a re-split that is refused: OUT/SOURCE on ZeRO-3 with a frozen parameter.
 """
 
 import json
@@ -310,10 +310,12 @@ def reshard_load(out: Path, cases: list[str]) -> dict:
 
 
 def refused_reshard_error(out: Path, source: str) -> str | None:
-    """The message of loading OUT/SOURCE, a ZeRO-3 checkpoint saved by another number of ranks, with
-    the optimizer states on NVMe: a re-split this version refuses."""
-    (out / "nvme").mkdir(exist_ok=True)
-    engine = new_engine(f"3+nvme:{out / 'nvme'}", **reshard_config("3"))
+    """The message of loading OUT/SOURCE, a ZeRO-3 checkpoint saved by another number of ranks, into
+    a model with a frozen parameter: a re-split this version refuses."""
+    model = build_model()
+    model[0].bias.requires_grad_(False)
+    engine, _, _, _ = lazyzero.initialize(model=model, model_parameters=model.parameters(),
+                                          config=ds_config("3", **reshard_config("3")))
     try:
         engine.load_checkpoint(str(out / source), tag="saved")
         return None

@@ -113,11 +113,10 @@ def save(out: Path, lazy: bool) -> dict:
 
 def reshard(out: Path, lazy: bool) -> dict:
     """On another number of ranks than `save`'s: its CPU-offload checkpoint loaded with CPU offload
-    (the re-split of in-memory state), its NVMe checkpoint loaded with CPU offload (reading the
-    saved swap files) and with NVMe offload (writing this run's); 4 more steps each."""
+    (the re-split of in-memory state), and its NVMe checkpoint loaded with NVMe offload (reading the
+    saved swap files, writing this run's); 4 more steps each."""
     results = {}
-    for name, device, source in (("cpu_from_cpu", "cpu", "ckpt_cpu"), ("cpu_from_nvme", "cpu", "ckpt"),
-                                 ("nvme_from_nvme", "nvme", "ckpt")):
+    for name, device, source in (("cpu_from_cpu", "cpu", "ckpt_cpu"), ("nvme_from_nvme", "nvme", "ckpt")):
         nvme_path = out / f"nvme_reshard_{name}" if device == "nvme" else None
         engine = new_engine(nvme_config(device, nvme_path, lazy=lazy))
         engine.load_checkpoint(str(out / source), tag="step4")

@@ -63,12 +63,17 @@ class PackedLayout:
     def total_bytes(self) -> int:
         return _round_up(self.scales_offset + 8 * self.blocks, self.alignment)
 
+    def byte_offsets(self) -> dict[str, int]:
+        """Where each of the four state tensors starts in the packed bytes."""
+        offsets = {key: index * self.numel for index, key in enumerate(CODE_KEYS)}
+        offsets.update({key: self.scales_offset + 4 * index * self.blocks for index, key in enumerate(SCALE_KEYS)})
+        return offsets
+
     def views(self, packed: torch.Tensor) -> dict[str, torch.Tensor]:
         """The four state tensors as views of `packed` (uint8, `total_bytes` long)."""
-        views = {key: packed.narrow(0, index * self.numel, self.numel) for index, key in enumerate(CODE_KEYS)}
-        for index, key in enumerate(SCALE_KEYS):
-            start = self.scales_offset + 4 * index * self.blocks
-            views[key] = packed.narrow(0, start, 4 * self.blocks).view(torch.float32)
+        offsets = self.byte_offsets()
+        views = {key: packed.narrow(0, offsets[key], self.numel) for key in CODE_KEYS}
+        views.update({key: packed.narrow(0, offsets[key], 4 * self.blocks).view(torch.float32) for key in SCALE_KEYS})
         return views
 
 

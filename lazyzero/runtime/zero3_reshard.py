@@ -31,7 +31,7 @@ import numpy as np
 import torch
 from deepspeed.checkpoint.constants import FP32_FLAT_GROUPS, LOSS_SCALER, OPTIMIZER_STATE_DICT
 
-from lazyzero.optim.adam8bit import EIGHT_BIT_KEYS, FP32_KEYS, decode_moments, encode_moments
+from lazyzero.optim.adam8bit import CODE_KEYS, EIGHT_BIT_KEYS, FP32_KEYS, decode_moments, encode_moments
 from lazyzero.runtime.nvme_8bit_swap import PACKED_FILE_SUFFIX, PackedLayout
 
 EIGHT_BIT_MOMENTS = ("m", "sqrt_v")
@@ -149,11 +149,10 @@ def _swap_file_readers(master_path: str, numel: int, block_size: int, eight_bit:
         readers.update({key: _file_reader(os.path.join(folder, f"{key}-{ds_id}.tensor.swp"), np.float32, 0)
                         for key in FP32_KEYS})
         return readers
-    layout = PackedLayout.for_partition(numel, block_size, alignment=1)
+    offsets = PackedLayout.for_partition(numel, block_size, alignment=1).byte_offsets()
     packed = os.path.join(folder, f"{ds_id}{PACKED_FILE_SUFFIX}")
-    readers.update({"m_codes": _file_reader(packed, np.uint8, 0), "sqrt_v_codes": _file_reader(packed, np.uint8, numel),
-                    "m_scales": _file_reader(packed, np.float32, layout.scales_offset),
-                    "sqrt_v_scales": _file_reader(packed, np.float32, layout.scales_offset + 4 * layout.blocks)})
+    readers.update({key: _file_reader(packed, np.uint8 if key in CODE_KEYS else np.float32, offsets[key])
+                    for key in EIGHT_BIT_KEYS})
     return readers
 
 

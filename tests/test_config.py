@@ -123,6 +123,21 @@ def test_an_enabled_plan_on_stage_3_with_a_sequence_length_is_accepted():
     assert config.enabled_features() == ["plan"] and config.plan.seq_len == 64
 
 
+def test_headroom_share_is_a_share_and_excludes_a_gpu_byte_budget():
+    config = validate_ds_config({"zero_optimization": {"stage": 3},
+                                 "lazyzero": {"plan": {**PLANNED["plan"], "headroom_share": 0.3}}})
+    assert config.plan.headroom_share == 0.3
+    for share in (1.5, -0.1):
+        with pytest.raises(LazyZeroConfigError) as caught:
+            validate_ds_config({"zero_optimization": {"stage": 3},
+                                "lazyzero": {"plan": {**PLANNED["plan"], "headroom_share": share}}})
+        problem_line(caught.value, "lazyzero.plan.headroom_share", f"got {share}; allowed: a number from 0 to 1, or null")
+    with pytest.raises(LazyZeroConfigError) as caught:
+        validate_ds_config({"zero_optimization": {"stage": 3},
+                            "lazyzero": {"plan": {**PLANNED["plan"], "headroom_share": 0.3, "gpu_mem": "8GB"}}})
+    problem_line(caught.value, "lazyzero.plan.gpu_mem", "got 8000000000; allowed: null while lazyzero.plan.headroom_share is set")
+
+
 def test_planned_checkpoint_traffic_needs_lazy_checkpoints():
     planned = {"plan": {**PLANNED["plan"], "checkpoint_every": 50}}
     with pytest.raises(LazyZeroConfigError) as caught:

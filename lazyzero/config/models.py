@@ -47,6 +47,9 @@ class PlanConfig(ConfigSection):
     cpu_mem: Optional[MemorySize] = None
     """CPU memory budget per node, shared by its ranks (on a machine without a GPU, the memory training computes in). null: the machine's total memory."""
 
+    headroom_share: Optional[float] = Field(None, ge=0, le=1)
+    """Compute-memory budget measured on this machine instead of given in bytes: this share of the way from the least budget that admits a plan (0) to what the plan with every tensor in memory needs (1), both from the run's own profile, so that one config holds wherever it runs (another torch build or library version moves both). It takes the place of `cpu_mem` on a machine without a GPU and of `gpu_mem` on CUDA, which must then be null. null: the byte budgets decide."""
+
     nvme_path: Optional[NonEmptyStr] = None
     """Existing, writable folder the planner may spill tensors to. null: no NVMe tier."""
 

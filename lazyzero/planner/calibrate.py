@@ -17,7 +17,7 @@ activation choices.
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from lazyzero.planner.costs import EMBED_AND_HEAD
 from lazyzero.planner.problem import LayerPlan, Machine, Plan, PlanProblem
@@ -95,7 +95,7 @@ def calibrated_problem(problem: PlanProblem, plan: Plan, measured_step_s: float,
 EXCESS_STEP, MAX_EXCESS = 0.025, 0.5
 
 
-def _with_compute_capacity(problem: PlanProblem, capacity: float) -> PlanProblem:
+def with_compute_capacity(problem: PlanProblem, capacity: float) -> PlanProblem:
     tiers = {**problem.machine.tiers, "gpu": replace(problem.machine.tiers["gpu"], capacity_bytes=round(capacity))}
     return replace(problem, machine=replace(problem.machine, tiers=tiers))
 
@@ -110,7 +110,7 @@ def smallest_compute_budget(problem: PlanProblem, *, low: float | None = None, h
 
     def feasible(capacity: float) -> bool:
         try:
-            solve(_with_compute_capacity(problem, capacity), time_limit_s=time_limit_s, max_gap=1.0)
+            solve(with_compute_capacity(problem, capacity), time_limit_s=time_limit_s, max_gap=1.0)
             return True
         except (PlanInfeasible, SolverFoundNoPlan):
             return False
@@ -137,9 +137,46 @@ def solve_with_least_excess(problem: PlanProblem, time_limit_s: float, max_gap: 
     for step in range(steps + 1):
         excess = step * EXCESS_STEP
         try:
-            return solve(_with_compute_capacity(problem, capacity * (1 + excess)),
+            return solve(with_compute_capacity(problem, capacity * (1 + excess)),
                          time_limit_s=time_limit_s, max_gap=max_gap), excess
         except PlanInfeasible as error:
             if "gpu" not in error.tiers or step == steps:
                 raise
     raise AssertionError("unreachable")
+
+
+@dataclass(frozen=True)
+class HeadroomBudget:
+    """A compute-memory capacity placed between the least that admits a plan and the all-in-memory
+    plan's peak (planning capacities: after `memory_reserve`)."""
+
+    share: float
+    least_bytes: int
+    in_memory_bytes: int
+
+    @property
+    def capacity_bytes(self) -> int:
+        return round(self.least_bytes + self.share * (self.in_memory_bytes - self.least_bytes))
+
+
+def all_in_memory_peak(problem: PlanProblem) -> int:
+    """The compute-memory peak of the plan that keeps every tensor in memory, at 16 bits, fp32 states."""
+    from lazyzero.planner.simulate import evaluate_layers
+
+    keep = [LayerPlan("keep", 16, "gpu", "gpu", "gpu", False)] * problem.num_layers
+    return round(evaluate_layers(problem, keep, "greedy").predicted_peak_bytes["gpu"])
+
+
+def headroom_budget(problem: PlanProblem, share: float) -> HeadroomBudget:
+    """`share` of the way from the least compute-memory capacity that admits a plan of `problem` to
+    the all-in-memory plan's peak. Both move with everything the profile measured (the process, the
+    libraries it loaded), so a budget given this way holds on any machine and torch build."""
+    from lazyzero.planner import PlanInfeasible
+
+    in_memory = all_in_memory_peak(problem)
+    least = smallest_compute_budget(problem, low=0, high=in_memory, rounds=12)
+    if least is None:
+        raise PlanInfeasible(f"lazyzero.plan.headroom_share: no plan fits even the all-in-memory peak "
+                             f"({in_memory / 1e9:.2f} GB per rank); another tier's budget (cpu_mem, nvme_path) "
+                             "is too small", ("gpu",))
+    return HeadroomBudget(share, min(least, in_memory), in_memory)

@@ -239,6 +239,9 @@ class PlanProblem:
     # buffer pool and partitioned swap buffer, swap_buffers.py), in host memory: the "cpu" tier where
     # there is one, else the compute memory.
     param_swap_bytes: int = 0
+    # How the compute-memory capacity was placed when the user gave `plan.headroom_share`
+    # (calibrate.HeadroomBudget: the share, the least capacity with a plan, the all-in-memory peak).
+    headroom: object | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "layers", tuple(self.layers))

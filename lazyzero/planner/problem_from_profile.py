@@ -263,8 +263,12 @@ def training_dtype(ds_config: dict):
 
 
 def problem_for_config(profile: ModelProfile, ds_config: dict, settings, world_size: int,
-                       local_ranks: int, process_bytes: int | None = None) -> tuple[PlanProblem, ModelSizes]:
-    """The problem a planned run with this DeepSpeed config and `plan` settings (a PlanConfig) solves."""
+                       local_ranks: int, process_bytes: int | None = None,
+                       decide=lambda work: work()) -> tuple[PlanProblem, ModelSizes]:
+    """The problem a planned run with this DeepSpeed config and `plan` settings (a PlanConfig) solves.
+    With `plan.headroom_share`, its compute-memory capacity is placed from the problem itself
+    (`calibrate.headroom_budget`), by `decide(work)`: a planned run computes it on one rank and gives
+    every rank the same figure."""
     dtype = training_dtype(ds_config)
     shape = RankShape(world_size, str(dtype).removeprefix("torch."), str(dtype) != "torch.float32",
                       settings.allow_8bit_optimizer)
@@ -272,7 +276,14 @@ def problem_for_config(profile: ModelProfile, ds_config: dict, settings, world_s
     problem, sizes = problem_from_profile(profile, budgets, shape, allowed_bits=tuple(settings.allowed_bits),
                                           allow_recompute=settings.allow_recompute, process_bytes=process_bytes,
                                           feature_bytes=feature_workspace_bytes(profile, ds_config, shape))
-    return _with_checkpoint_traffic(problem, profile, ds_config, shape, settings.checkpoint_every), sizes
+    problem = _with_checkpoint_traffic(problem, profile, ds_config, shape, settings.checkpoint_every)
+    share = getattr(settings, "headroom_share", None)
+    if share is None:
+        return problem, sizes
+    from lazyzero.planner.calibrate import headroom_budget, with_compute_capacity
+
+    budget = decide(lambda: headroom_budget(problem, share))
+    return replace(with_compute_capacity(problem, budget.capacity_bytes), headroom=budget), sizes
 
 
 def _with_checkpoint_traffic(problem: PlanProblem, profile: ModelProfile, ds_config: dict, shape: RankShape,

@@ -156,8 +156,12 @@ class PlanMonitor:
         return {f"plan_{key}": value for key, value in self.checks[-1].as_record().items()}
 
     def report(self) -> dict:
+        reserve = self.active.lazyzero_config.plan.memory_reserve
+        capacity = self.active.problem.machine.tiers["gpu"].capacity_bytes
         return {"plan_checks": [check.as_record() for check in self.checks],
-                "replan_excess_over_budget": self.excess_over_budget}
+                "replan_excess_over_budget": self.excess_over_budget,
+                # The per-rank compute-memory budget the run was planned under (after headroom_share).
+                "compute_budget_per_rank_bytes": round(capacity / (1 - reserve))}
 
 
 def _reset_peak() -> None:

@@ -67,6 +67,10 @@ def problem_for_run(model: torch.nn.Module, ds_config: dict, settings, dist):
     if settings.gpu_mem is not None and not torch.cuda.is_available():
         raise ValueError(f"lazyzero.plan.gpu_mem: got {settings.gpu_mem}; allowed: null on a machine without CUDA "
                          "(training computes in host memory: budget it with lazyzero.plan.cpu_mem)")
+    if settings.headroom_share is not None and settings.cpu_mem is not None and not torch.cuda.is_available():
+        raise ValueError(f"lazyzero.plan.cpu_mem: got {settings.cpu_mem}; allowed: null while lazyzero.plan."
+                         "headroom_share is set on a machine without CUDA (headroom_share sets the memory "
+                         "training computes in)")
     dtype = training_dtype(ds_config)
     if next(model.parameters()).dtype != dtype:
         # DeepSpeed casts the parameters to the training dtype when it partitions them; doing it
@@ -85,8 +89,23 @@ def problem_for_run(model: torch.nn.Module, ds_config: dict, settings, dist):
 
     # What this rank holds besides the model, now, just before the engine is built: that stays.
     model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    return problem_for_config(profile, ds_config, settings, dist.get_world_size(), _local_ranks(dist),
-                              process_bytes=max(0, resident_bytes() - model_bytes))
+    problem, sizes = problem_for_config(profile, ds_config, settings, dist.get_world_size(), _local_ranks(dist),
+                                        process_bytes=max(0, resident_bytes() - model_bytes),
+                                        decide=lambda work: on_rank_zero(work, dist))
+    if problem.headroom is not None and dist.get_rank() == 0:
+        print(headroom_line(problem, settings), flush=True)
+    return problem, sizes
+
+
+def headroom_line(problem: PlanProblem, settings) -> str:
+    """What `plan.headroom_share` came to on this machine, in the user's per-rank budget terms."""
+    headroom = problem.headroom
+    key = "gpu_mem" if problem.machine.has_host else "cpu_mem"
+    return (f"lazyzero plan: headroom_share {headroom.share:g} -> {key} "
+            f"{budget_of(headroom.capacity_bytes, settings) / 1e9:.2f} GB per rank (least with a plan "
+            f"{budget_of(headroom.least_bytes, settings) / 1e9:.2f} GB, every tensor in memory "
+            f"{budget_of(headroom.in_memory_bytes, settings) / 1e9:.2f} GB; after memory_reserve "
+            f"{settings.memory_reserve:g})")
 
 
 def model_sizes_of(model: torch.nn.Module, world_size: int):

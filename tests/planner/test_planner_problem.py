@@ -345,3 +345,22 @@ def test_solve_s_80_layers(all_or_none):
     assert 0 <= plan.gap
     check_within_budgets(problem, plan)
     assert plan.objective <= greedy.objective
+
+
+@pytest.mark.parametrize("share", [0.0, 0.5, 1.0])
+def test_headroom_share_places_the_budget_between_the_least_with_a_plan_and_all_in_memory(share):
+    """`plan.headroom_share`: the capacity lies `share` of the way from the least capacity that
+    admits a plan to the all-in-memory plan's peak; a plan exists there, and none a little below
+    the least (so the least is the real edge, not a loose bound)."""
+    from lazyzero.planner.calibrate import all_in_memory_peak, headroom_budget, with_compute_capacity
+
+    problem = random_problem(7, 4, gpu_fraction=0.05, tiers=("cpu",))
+    budget = headroom_budget(problem, share)
+    assert budget.in_memory_bytes == all_in_memory_peak(problem)
+    assert 0 < budget.least_bytes < budget.in_memory_bytes
+    assert budget.capacity_bytes == pytest.approx(
+        budget.least_bytes + share * (budget.in_memory_bytes - budget.least_bytes), abs=1)
+    plan = solve(with_compute_capacity(problem, budget.capacity_bytes))
+    assert plan.predicted_peak_bytes["gpu"] <= budget.capacity_bytes
+    with pytest.raises(PlanInfeasible):
+        solve(with_compute_capacity(problem, 0.97 * budget.least_bytes))

@@ -63,7 +63,7 @@ from common import pin_threads, write_results  # noqa: E402
 
 from lazyzero.models.config import preset_config  # noqa: E402
 from lazyzero.models.presets import SUBWORD_VOCAB_SIZE, ModelPreset  # noqa: E402
-from lazyzero.runtime.shm_segments import remove_leftover_segments  # noqa: E402
+from lazyzero.distributed.shm_segments import remove_leftover_segments  # noqa: E402
 from lazyzero.testing import distributed_env, free_port, launch_command  # noqa: E402
 
 WORKER = Path(__file__).resolve().parent / "checkpoint_worker.py"

@@ -4,7 +4,7 @@ One run starts 4 ranks on gloo (CPU, 1 thread each; fresh ranks for each phase, 
 and, for gradient buckets of 4, 16 and 64 MiB of fp32, times ways of leaving each rank with its
 averaged quarter of the bucket:
 
-- int8: `lazyzero.comm.quantized_reduce_scatter` (block 256, round to nearest), one reused
+- int8: `lazyzero.gradients.quantized_reduce_scatter` (block 256, round to nearest), one reused
   `ExchangeBuffers` as in the engine;
 - fp32: `torch.distributed.reduce_scatter_tensor` (gloo has it in torch 2.13), then / W;
 - bf16: the same on a bf16 copy, back to fp32, with both conversions timed;
@@ -41,11 +41,11 @@ import torch.multiprocessing as mp
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # `common` sits beside this script
 from common import median_seconds, parse_args, pin_threads, write_results  # noqa: E402
 
-from lazyzero.comm import ExchangeBuffers, quantized_reduce_scatter  # noqa: E402
-from lazyzero.comm.quantized_reduce_scatter import make_plan  # noqa: E402
-from lazyzero.ops import build  # noqa: E402
+from lazyzero.gradients import ExchangeBuffers, quantized_reduce_scatter  # noqa: E402
+from lazyzero.gradients.quantized_reduce_scatter import make_plan  # noqa: E402
+from lazyzero.ops import native_build# noqa: E402
 from lazyzero.ops.quant import dequantize_sum_int8  # noqa: E402
-from lazyzero.runtime.shm_segments import remove_leftover_segments  # noqa: E402
+from lazyzero.distributed.shm_segments import remove_leftover_segments  # noqa: E402
 from lazyzero.testing import destroy_engine, free_port  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -263,8 +263,8 @@ def main() -> None:
     args = parse_args(__doc__.splitlines()[0])
     pin_threads(THREADS_PER_RANK)  # what the ranks run with, and what write_results records
     # Built once here, so that the ranks only load it instead of racing to compile it.
-    if not build.ensure_native("cpu"):
-        raise SystemExit("the C++ kernels are unavailable:\n" + build.format_status(build.status()))
+    if not native_build.ensure_native("cpu"):
+        raise SystemExit("the C++ kernels are unavailable:\n" + native_build.format_status(native_build.status()))
     steps = {name: run_phase(name, args.quick) for name in STEP_CONFIGS}
     comm = run_phase("comm", args.quick)
     buckets, profile = comm["buckets"], comm["profile"]

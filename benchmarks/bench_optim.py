@@ -49,8 +49,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # `common` sits beside this script
 from common import median_seconds, pin_threads, write_results  # noqa: E402
 
-from lazyzero.ops import build  # noqa: E402
-from lazyzero.optim import AdamW8bit, clipping  # noqa: E402
+from lazyzero.ops import native_build# noqa: E402
+from lazyzero.optimizer import AdamW8bit, clipping  # noqa: E402
 from lazyzero.testing import destroy_engine, free_port  # noqa: E402
 
 PARAMETERS = 100_000_000
@@ -292,14 +292,14 @@ def measure_gpu(repeats: int) -> tuple[dict[str, float], dict]:
 def main() -> None:
     args = parse_args()
     pin_threads(args.threads)
-    if not build.ensure_native("cpu"):
-        raise SystemExit("the C++ kernels are unavailable:\n" + build.format_status(build.status()))
+    if not native_build.ensure_native("cpu"):
+        raise SystemExit("the C++ kernels are unavailable:\n" + native_build.format_status(native_build.status()))
     results, details = measure_cpu(repeats=5 if args.quick else 21)
     engine_results, engine_details = measure_engine_clipping(repeats=24 if args.quick else 60)
     results.update(engine_results)
     details.update(engine_details)
     if torch.cuda.is_available():
-        build.ensure_native("cuda")  # raises, naming the reason, when the CUDA kernels cannot load
+        native_build.ensure_native("cuda")  # raises, naming the reason, when the CUDA kernels cannot load
         gpu_results, details["gpu"] = measure_gpu(repeats=20 if args.quick else 100)
         results.update(gpu_results)
     write_results(args.out, "bench_optim", args.quick, results, details)

@@ -2,17 +2,17 @@
 
     python benchmarks/bench_planner.py --quick --out benchmarks/results/bench_planner.json
 
-1. `solve_s_80_layers`: the MILP on an 80-layer instance (`lazyzero.planner.instances`), with its gap.
+1. `solve_s_80_layers`: the MILP on an 80-layer instance (`lazyzero.plan.instances`), with its gap.
 2. One model whose full training state does not fit the budget (a 103M-parameter Llama in bf16 on 2
    CPU ranks, ZeRO-3) is trained three times by `lazyzero train`, each under the same per-rank budget
-   and allocator settings (`lazyzero.runtime.host_memory`):
+   and allocator settings (`lazyzero.plan.host_memory`):
    - lazyzero's plan (`"plan": {"enabled": true}`: profiled at start, solved, applied, compared with
      what the run measures after 3 steps and planned again if off by more than 15%);
    - LazyTrain's fixed rule (every 4th layer keeps its activations, offloaded, the others recompute;
      parameters and fp32 optimizer state offloaded: to NVMe on this machine, which has no other tier);
    - DeepSpeed's default ZeRO-Infinity offload (parameters and fp32 optimizer state on NVMe, nothing
      recomputed), plain DeepSpeed settings and no lazyzero feature.
-   The baselines' configs are what `lazyzero.planner.implied` makes of `fixed_rule_plan` and
+   The baselines' configs are what `lazyzero.plan.implied` makes of `fixed_rule_plan` and
    `deepspeed_default_plan` for the planned run's own problem (same profile, same budget).
 Keys: `pred_error_step_time` and `pred_error_peak_mem` (|measured / predicted - 1| of the first plan,
 before any measurement of this run; `*_replanned` the same for the plan in force at the last
@@ -46,7 +46,7 @@ HEADROOM_SHARE = 0.4
 WARMUP_STEPS = 2
 # A planned run compares after steps 2-4 and may plan again; its steps from here on are timed.
 PLANNED_STEADY_FROM = 9
-# The allocator settings lazyzero applies for a planned run (lazyzero/runtime/host_memory.py), given
+# The allocator settings lazyzero applies for a planned run (lazyzero/plan/host_memory.py), given
 # to every run so that the baselines are measured with the same allocator.
 ALLOCATOR_ENV = {"MALLOC_MMAP_THRESHOLD_": "262144", "MALLOC_TRIM_THRESHOLD_": "1048576", "MALLOC_ARENA_MAX": "2"}
 
@@ -105,11 +105,11 @@ def median_step_s(records: list[dict], first: int = WARMUP_STEPS) -> float:
 def baseline_configs(work: Path, nvme: str) -> dict[str, dict]:
     """The fixed rule's and DeepSpeed default's configs for the planned run's own problem."""
     from lazyzero.config import PlanConfig
-    from lazyzero.planner import deepspeed_default_plan, fixed_rule_plan
-    from lazyzero.planner.implied import implied_setup
-    from lazyzero.planner.problem_from_profile import problem_for_config
-    from lazyzero.planner.profile import read_profile
-    from lazyzero.planner.report import FIXED_RULE_K
+    from lazyzero.plan import deepspeed_default_plan, fixed_rule_plan
+    from lazyzero.plan.implied import implied_setup
+    from lazyzero.plan.problem_from_profile import problem_for_config
+    from lazyzero.plan.profile.profiler import read_profile
+    from lazyzero.plan.report import FIXED_RULE_K
 
     planned = planned_config(nvme, work)
     settings = PlanConfig(**planned["lazyzero"]["plan"])
@@ -123,8 +123,8 @@ def baseline_configs(work: Path, nvme: str) -> dict[str, dict]:
 
 def solve_80_layers() -> dict:
     """The 80-layer instance as written, and with DeepSpeed's all-or-none offload rule."""
-    from lazyzero.planner import solve
-    from lazyzero.planner.instances import llama_like_80_layers
+    from lazyzero.plan import solve
+    from lazyzero.plan.instances import llama_like_80_layers
 
     results = {}
     for suffix, all_or_none in (("", False), ("_all_or_none", True)):

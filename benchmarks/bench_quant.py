@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # `common` sits beside
 from common import gbps, median_seconds, parse_args, pin_threads, write_results  # noqa: E402
 
 import lazyzero.ops.quant  # noqa: E402, F401  (defines the torch.ops.lazyzero schemas)
-from lazyzero.ops import build, quant_reference  # noqa: E402
+from lazyzero.ops import native_build, quant_reference# noqa: E402
 
 THREADS = 2
 INPUT_BYTES = 64 * 2**20
@@ -75,8 +75,8 @@ def measure(quick: bool) -> dict[str, float]:
 def main() -> None:
     args = parse_args(__doc__.splitlines()[0])
     pin_threads(THREADS)
-    if not build.ensure_native("cpu"):
-        raise SystemExit("the C++ kernels are unavailable:\n" + build.format_status(build.status()))
+    if not native_build.ensure_native("cpu"):
+        raise SystemExit("the C++ kernels are unavailable:\n" + native_build.format_status(native_build.status()))
     write_results(args.out, "bench_quant", args.quick, measure(args.quick))
 
 

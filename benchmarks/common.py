@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from lazyzero.planner.profile_machine import device_name
+from lazyzero.plan.profile.machine import device_name
 
 
 def parse_args(description: str) -> argparse.Namespace:

@@ -28,7 +28,7 @@ status=0
 python3 -m pytest -q -m gpu tests/ops 2>&1 | tee "$OUT/gpu_kernel_tests.log" || status=1
 
 if python3 -c "import deepspeed, pydantic" 2>/dev/null; then
-    python3 -m pytest -q -m gpu tests/comm/test_comm_cuda.py tests/checkpoint/test_lazy_engine.py \
+    python3 -m pytest -q -m gpu tests/gradients/test_quantized_collectives_cuda.py tests/checkpoint/test_lazy_engine.py \
         tests/activations/test_packing_cuda.py 2>&1 \
         | tee "$OUT/gpu_engine_tests.log" || status=1
     python3 benchmarks/bench_optim.py --quick --out "$OUT/bench_optim.json" 2>&1 | tee "$OUT/bench_optim.log" || status=1

@@ -2,7 +2,7 @@
 // CUDA kernels register themselves in their own .cu files, which are built only where CUDA exists.
 #include <torch/library.h>
 
-#include "optim/adam_cpu.h"
+#include "adam8bit/adam_cpu.h"
 #include "quant/quant_cpu.h"
 
 TORCH_LIBRARY_IMPL(lazyzero, CPU, m) {

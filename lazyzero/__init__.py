@@ -1,7 +1,8 @@
 """lazyzero: memory planning, quantization, 8-bit optimizers and lazy checkpoints for DeepSpeed ZeRO.
 
-Importing lazyzero never compiles anything and never imports DeepSpeed eagerly: `initialize` and
-`LazyZeroEngine` are resolved on first use so that `lazyzero config check` stays fast.
+Importing lazyzero never compiles anything and never imports DeepSpeed: `initialize` imports the
+engine when it is called, and `LazyZeroEngine` is resolved on first use, so that `lazyzero config
+check` stays fast (docs/architecture.md).
 """
 
 __version__ = "0.1.0"
@@ -9,13 +10,27 @@ __version__ = "0.1.0"
 __all__ = ["initialize", "LazyZeroEngine", "LazyZeroConfig", "LazyZeroConfigError", "__version__"]
 
 
-def __getattr__(name):
-    if name == "initialize":
-        from lazyzero.runtime.initialize import initialize
+def initialize(args=None, model=None, optimizer=None, model_parameters=None, training_data=None, lr_scheduler=None,
+               distributed_port=None, mpu=None, dist_init_required=None, collate_fn=None, config=None,
+               mesh_param=None, config_params=None):
+    """`deepspeed.initialize` with the "lazyzero" section: same arguments, same return value
+    (engine, optimizer, dataloader, lr_scheduler), the engine a `LazyZeroEngine`.
 
-        return initialize
+    The section is validated before anything is built, every problem reported at once with its key
+    path (`LazyZeroConfigError`). `config` may be a path or a dict; `args.deepspeed_config` is
+    honoured as DeepSpeed does. Pipeline and hybrid engines are not supported.
+    """
+    from lazyzero.engine.initialize import initialize as build
+
+    return build(args=args, model=model, optimizer=optimizer, model_parameters=model_parameters,
+                 training_data=training_data, lr_scheduler=lr_scheduler, distributed_port=distributed_port, mpu=mpu,
+                 dist_init_required=dist_init_required, collate_fn=collate_fn, config=config, mesh_param=mesh_param,
+                 config_params=config_params)
+
+
+def __getattr__(name):
     if name == "LazyZeroEngine":
-        from lazyzero.runtime.engine import LazyZeroEngine
+        from lazyzero.engine.engine import LazyZeroEngine
 
         return LazyZeroEngine
     if name in ("LazyZeroConfig", "LazyZeroConfigError"):

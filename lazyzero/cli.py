@@ -41,17 +41,17 @@ def _config_reference(args: argparse.Namespace) -> int:
 
 
 def _ops_build(args: argparse.Namespace) -> int:
-    from lazyzero.ops import build
+    from lazyzero.ops import native_build
 
-    statuses = build.build(verbose=not args.quiet)
-    print(build.format_status(statuses))
+    statuses = native_build.build(verbose=not args.quiet)
+    print(native_build.format_status(statuses))
     return 1 if any(s.state == "failed" for s in statuses) else 0
 
 
 def _ops_status(args: argparse.Namespace) -> int:
-    from lazyzero.ops import build
+    from lazyzero.ops import native_build
 
-    print(build.format_status(build.status()))
+    print(native_build.format_status(native_build.status()))
     return 0
 
 
@@ -65,10 +65,10 @@ def _profile(args: argparse.Namespace) -> int:
     import torch
 
     from lazyzero.config import LazyZeroConfigError, load_ds_config_file
-    from lazyzero.data.tokenizer import load_tokenizer
+    from lazyzero.app.data.tokenizer import load_tokenizer
     from lazyzero.models import build_model
-    from lazyzero.planner.profile import ProfileFileError, ProfileSettings, load_or_profile
-    from lazyzero.planner.profile_report import profile_table
+    from lazyzero.plan.profile.profiler import ProfileFileError, ProfileSettings, load_or_profile
+    from lazyzero.plan.profile.summary import profile_table
 
     measured = []
     try:
@@ -107,7 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="lazyzero", description="DeepSpeed ZeRO, planned, quantized and checkpointed lazily.")
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("train", help="train a model (all arguments go to python -m lazyzero.train; see --help)", add_help=False)
-    from lazyzero.planner.plan_cli import add_plan_command
+    from lazyzero.plan.commands import add_plan_command
 
     add_plan_command(sub)
     _add_profile_command(sub)
@@ -127,7 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
     ops_build.set_defaults(func=_ops_build)
     ops.add_parser("status", help="which backends are built, and if not, why").set_defaults(func=_ops_status)
 
-    from lazyzero.checkpoint.cli import add_ckpt_commands
+    from lazyzero.checkpoint.commands import add_ckpt_commands
 
     ckpt = sub.add_parser("ckpt", help="list, verify or export lazyzero checkpoints").add_subparsers(dest="action", required=True)
     add_ckpt_commands(ckpt)

@@ -5,6 +5,9 @@ Bit-exact comparisons use atol=0, rtol=0. Every looser tolerance below says why 
 
 import torch
 
+from lazyzero.distributed.launch import (distributed_env, free_port, launch_command,  # noqa: F401 - the tests' helpers
+                                       run_deepspeed_nodes, run_distributed)
+
 EXACT = dict(atol=0.0, rtol=0.0)
 
 TOLERANCES = {
@@ -33,7 +36,7 @@ TOLERANCES = {
     # with lr 1e-2 the parameters move by less than 1e-6. An unapplied or doubled factor moves them
     # by more than 1e-3 (asserted beside it).
     "fused_vs_separate_clip": 1e-5,
-    # 8-bit AdamW against fp32 torch AdamW after 100 steps (tests/optim/test_adam8bit_optimizer.py),
+    # 8-bit AdamW against fp32 torch AdamW after 100 steps (tests/optimizer/test_adam8bit_optimizer.py),
     # as ||found - expected|| / ||distance the fp32 run moved||. The moments are requantized every
     # step with a relative rounding error r (RMS about 1/50 for the 3-bit mantissa of m, 1/100 for
     # the 4-bit mantissa of sqrt(v)); under an EMA with decay beta those errors add up to a steady
@@ -88,96 +91,6 @@ def cosines_by_name(found: dict, expected: dict) -> dict[str, float]:
     """Cosine similarity of `found[name]` and `expected[name]` (flattened) for every name of `expected`."""
     return {name: torch.nn.functional.cosine_similarity(found[name].flatten(), reference.flatten(), dim=0).item()
             for name, reference in expected.items()}
-
-
-def free_port() -> int:
-    """A TCP port that is free right now on localhost, for a test's rendezvous."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def distributed_env(threads_per_rank: int = 1) -> dict:
-    """Environment for child ranks: one thread each so that two ranks share two cores fairly, and
-    Open MPI allowed to run as root (CI runs as root)."""
-    import os
-
-    env = dict(os.environ)
-    env.update(OMP_NUM_THREADS=str(threads_per_rank), OMPI_ALLOW_RUN_AS_ROOT="1",
-               OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
-    return env
-
-
-def launch_command(launcher: str, nprocs: int, argv: list[str], launcher_args: tuple[str, ...] = (),
-                   port: int | None = None) -> list[str]:
-    """The command line that starts `argv` (a python script and its arguments) on `nprocs` local ranks
-    rendezvousing on `port` (default: a free one); `launcher_args` go to the launcher itself (e.g. a
-    hostfile)."""
-    import sys
-
-    port = port or free_port()
-    if launcher == "deepspeed":
-        return ["deepspeed", "--num_gpus", str(nprocs), "--master_port", str(port), *launcher_args, *argv]
-    if launcher == "mpirun":
-        return ["mpirun", "-n", str(nprocs), "--oversubscribe", "-x", f"MASTER_PORT={port}",
-                *launcher_args, sys.executable, *argv]
-    raise ValueError(f"launcher: got {launcher!r}; allowed: 'deepspeed', 'mpirun'")
-
-
-def run_distributed(launcher: str, nprocs: int, argv: list[str], timeout: float = 600, cwd=None,
-                    launcher_args: tuple[str, ...] = (), env: dict | None = None):
-    """Run `argv` on `nprocs` real ranks and return the CompletedProcess (stdout and stderr merged).
-    `env`: variables added to the ranks' environment (e.g. LAZYZERO_FAILPOINT).
-
-    Removes the shared-memory files DeepSpeed's CPU all-reduce leaves behind (`shm_segments.py`),
-    which would otherwise fill /dev/shm over a test session."""
-    import subprocess
-
-    from lazyzero.runtime.shm_segments import remove_leftover_segments
-
-    port = free_port()
-    cmd = launch_command(launcher, nprocs, argv, launcher_args, port)
-    try:
-        return subprocess.run(cmd, env={**distributed_env(), **(env or {})}, cwd=cwd, timeout=timeout, text=True,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    finally:
-        remove_leftover_segments(port)
-
-
-def run_deepspeed_nodes(nodes: int, ranks_per_node: int, argv: list[str], timeout: float = 600, cwd=None):
-    """Run `argv` as a `nodes` x `ranks_per_node` DeepSpeed job on this machine: one DeepSpeed
-    per-node launcher (`deepspeed.launcher.launch`, what the `deepspeed` runner starts on each host
-    over ssh) per emulated node, so ranks see the environment a multi-node launch gives them.
-    Returns (return code, output): the worst code, and every node's output, node by node."""
-    import base64
-    import json
-    import subprocess
-    import sys
-
-    from lazyzero.runtime.shm_segments import remove_leftover_segments
-
-    world_info = {f"node{node}": list(range(ranks_per_node)) for node in range(nodes)}
-    encoded = base64.urlsafe_b64encode(json.dumps(world_info).encode()).decode()
-    port = free_port()
-    launchers = [subprocess.Popen(
-        [sys.executable, "-u", "-m", "deepspeed.launcher.launch", f"--world_info={encoded}", f"--node_rank={node}",
-         "--master_addr=127.0.0.1", f"--master_port={port}", *argv],
-        env=distributed_env(), cwd=cwd, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-        for node in range(nodes)]
-    outputs, codes = [], []
-    try:
-        for launcher in launchers:
-            outputs.append(launcher.communicate(timeout=timeout)[0])
-            codes.append(launcher.returncode)
-    except subprocess.TimeoutExpired:
-        for launcher in launchers:
-            launcher.kill()
-        raise
-    finally:
-        remove_leftover_segments(port)
-    return max(codes), "".join(outputs)
 
 
 def destroy_engine(engine) -> None:

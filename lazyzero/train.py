@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 from lazyzero.config import LazyZeroConfigError, load_ds_config_file, validate_ds_config
-from lazyzero.data.arithmetic import DIFFICULTIES
+from lazyzero.app.data.arithmetic import DIFFICULTIES
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     except LazyZeroConfigError as err:
         print(f"lazyzero: invalid config {args.deepspeed_config}:\n{err}", file=sys.stderr)
         return 2
-    from lazyzero.runtime.trainer import Trainer, load_training_inputs
+    from lazyzero.app.trainer import Trainer, load_training_inputs
 
     try:
         inputs = load_training_inputs(args)

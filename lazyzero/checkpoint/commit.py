@@ -17,7 +17,7 @@ import torch
 
 from lazyzero.checkpoint.durable_io import durable_rename, fsync_dir, remove_tree, write_file_atomically
 from lazyzero.checkpoint.faults import failpoint
-from lazyzero.checkpoint.layout import LATEST_NAME, read_latest, temp_dir, trash_dir
+from lazyzero.checkpoint.folder_layout import LATEST_NAME, read_latest, temp_dir, trash_dir
 from lazyzero.checkpoint.manifest import Manifest, committed_tags
 from lazyzero.checkpoint.snapshot import FileSnapshot
 from lazyzero.checkpoint.staged_io import StagedFileWriter, StagingBlocks

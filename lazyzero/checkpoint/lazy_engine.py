@@ -31,7 +31,7 @@ from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointComm
 from lazyzero.checkpoint.commit import WrittenFile, commit_on_rank0, discard_temp, discard_written, make_durable, write_files
 from lazyzero.checkpoint.durable_io import remove_tree
 from lazyzero.checkpoint.faults import failpoint
-from lazyzero.checkpoint.layout import check_tag, leftover_dirs, temp_dir
+from lazyzero.checkpoint.folder_layout import check_tag, leftover_dirs, temp_dir
 from lazyzero.checkpoint.manifest import Manifest
 from lazyzero.checkpoint.staged_io import StagingBlocks
 from lazyzero.checkpoint.snapshot import (BufferBudget, FileSnapshot, HostBuffers, run_copies, snapshot_file,

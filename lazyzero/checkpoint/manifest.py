@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Callable
 
 from lazyzero.checkpoint.durable_io import HASH_NAME, hash_file, new_hash, write_file_atomically
-from lazyzero.checkpoint.layout import MANIFEST_NAME, leftover_dirs, read_latest
+from lazyzero.checkpoint.folder_layout import MANIFEST_NAME, leftover_dirs, read_latest
 
 MANIFEST_FORMAT = 1
 

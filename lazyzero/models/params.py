@@ -1,6 +1,6 @@
 """Analytic parameter counts of the supported families, from the config alone (no weights).
 
-The planner sizes 7B-27B models with this, so it must not allocate anything. tests/test_models.py
+The planner sizes 7B-27B models with this, so it must not allocate anything. tests/app/test_models.py
 checks it against sum(p.numel()) of built models in every family.
 """
 

@@ -3,14 +3,14 @@
 The same `ModelPreset` dims map onto every supported family (see `lazyzero.models.config`). `tiny`
 and `demo` use the byte-level vocabulary of `ByteTokenizer`; the larger presets use the 32000-token
 vocabulary of Llama-2 style tokenizers so that their parameter counts match their names
-(asserted in tests/test_models.py with the llama family, which has untied embeddings).
+(asserted in tests/app/test_models.py with the llama family, which has untied embeddings).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from lazyzero.data.tokenizer import BYTE_VOCAB_SIZE
+from lazyzero.models.byte_vocabulary import BYTE_VOCAB_SIZE
 
 SUBWORD_VOCAB_SIZE = 32000
 

@@ -1,7 +1,7 @@
 """lazyzero's native ops: schemas in namespace `lazyzero`, PyTorch references, C++/CUDA kernels.
 
 Importing this package defines the op schemas and never compiles anything; the kernels are built on
-first use (see `lazyzero.ops.build`).
+first use (see `lazyzero.ops.native_build`).
 """
 
 from lazyzero.ops.adam8bit import (

@@ -2,8 +2,8 @@
 squares: op schemas, fake kernels and the Python API.
 
 The schemas are defined once, in namespace `lazyzero`; the CPU kernels come from C++
-(csrc/optim/adam_cpu.cpp), the CUDA kernels from csrc/optim/adam_cuda.cu, attached when
-`lazyzero.ops.build` loads the native libraries on first use. The numerics, including the state
+(csrc/adam8bit/adam_cpu.cpp), the CUDA kernels from csrc/adam8bit/adam_cuda.cu, attached when
+`lazyzero.ops.native_build` loads the native libraries on first use. The numerics, including the state
 code and the exact order of the fp32 operations, are specified by `lazyzero.ops.adam8bit_reference`,
 which the step kernels match bit for bit.
 
@@ -25,7 +25,7 @@ from lazyzero.ops.adam8bit_reference import (
     quantize_m,
     quantize_s,
 )
-from lazyzero.ops.build import ensure_native
+from lazyzero.ops.native_build import ensure_native
 
 __all__ = [
     "adam32_step_",

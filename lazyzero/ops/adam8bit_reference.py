@@ -2,8 +2,8 @@
 
 `adam8bit_step_`, `adam32_step_` and `sum_squares` have exactly the signatures of the
 `torch.ops.lazyzero` ops of the same names, so the wrappers in `lazyzero.ops.adam8bit` call either.
-The C++ (csrc/optim/adam_cpu.cpp) and CUDA (csrc/optim/adam_cuda.cu) kernels perform the same fp32
-operations in the same order (csrc/optim/adam_common.h) and agree with this module bit for bit on
+The C++ (csrc/adam8bit/adam_cpu.cpp) and CUDA (csrc/adam8bit/adam_cuda.cu) kernels perform the same fp32
+operations in the same order (csrc/adam8bit/adam_common.h) and agree with this module bit for bit on
 parameters, codes and scales. `sum_squares` is the exception: its kernels reduce in parallel, so
 they agree with it within a stated bound only.
 

@@ -2,7 +2,7 @@
 
 The schemas below are defined once, in namespace `lazyzero`. Their CPU kernels come from C++
 (csrc/quant/quant_cpu.cpp) and CUDA kernels from csrc/quant/quant_cuda.cu, both attached when
-`lazyzero.ops.build` loads the native libraries on first use. The exact numerics, including zero
+`lazyzero.ops.native_build` loads the native libraries on first use. The exact numerics, including zero
 and NaN/Inf blocks, int4 nibble order and the stochastic-rounding hash, are specified by
 `lazyzero.ops.quant_reference`, which every kernel matches bit for bit.
 
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from lazyzero.ops import quant_reference
-from lazyzero.ops.build import ensure_native
+from lazyzero.ops.native_build import ensure_native
 
 SUPPORTED_BITS = (4, 8)
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)

@@ -1,7 +1,7 @@
 """Saved-activation quantization in real 2-rank DeepSpeed runs on every ZeRO stage (issue 6, item 3),
 and the offload of a layer's stored activations to NVMe (issue 7).
 
-tests/workers/activations_worker.py trains the tiny Llama 3 steps with activations off and on from
+tests/activations/activations_worker.py trains the tiny Llama 3 steps with activations off and on from
 the same seed and data. Packing changes nothing in forward, so the first loss must be identical; the
 later ones and the trained parameters differ only by the 4-bit rounding of what backward reads.
 With a layer offloaded the bytes backward reads are those it would read kept: everything bit-equal.
@@ -18,7 +18,7 @@ import torch
 from lazyzero.models.build import build_model
 from lazyzero.testing import cosines_by_name, run_distributed
 
-WORKER = Path(__file__).resolve().parents[1] / "workers" / "activations_worker.py"
+WORKER = Path(__file__).resolve().parent / "activations_worker.py"
 QUANTIZED_LAYOUTS = ["0", "3+recompute"]
 HAS_LIBAIO = Path("/usr/include/libaio.h").exists()  # NVMe offload (.ci/run installs libaio-dev)
 # One launch for all: starting 2 ranks costs ~25 s.

@@ -14,7 +14,7 @@ from lazyzero.testing import run_distributed
 
 ROOT = Path(__file__).resolve().parents[2]
 LAZY_CONFIG = ROOT / "ds_configs" / "cpu_demo_lazy_ckpt.json"
-# The run behind `lazy_checkpoint_dir`; tests/workers/ckpt_plain_ds_worker.py rebuilds its model
+# The run behind `lazy_checkpoint_dir`; tests/checkpoint/ckpt_plain_ds_worker.py rebuilds its model
 # from the same model and data arguments.
 TRAIN_ARGV = ["--module", "lazyzero.train", "--deepspeed_config", str(LAZY_CONFIG), "--model", "tiny",
               "--train-examples", "200", "--eval-problems", "0"]

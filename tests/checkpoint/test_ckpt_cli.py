@@ -1,5 +1,5 @@
 """`lazyzero ckpt ls | verify | export`: output, exit codes, and that plain DeepSpeed loads both a
-lazyzero checkpoint folder and its export (tests/workers/ckpt_plain_ds_worker.py)."""
+lazyzero checkpoint folder and its export (tests/checkpoint/ckpt_plain_ds_worker.py)."""
 
 import datetime
 import errno
@@ -10,13 +10,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from lazyzero.checkpoint.layout import MANIFEST_NAME, temp_dir, trash_dir
+from lazyzero.checkpoint.folder_layout import MANIFEST_NAME, temp_dir, trash_dir
 from lazyzero.cli import main
 from lazyzero.testing import EXACT, run_distributed
 
 ROOT = Path(__file__).resolve().parents[2]
 LAZY_CONFIG = ROOT / "ds_configs" / "cpu_demo_lazy_ckpt.json"
-WORKER = ROOT / "tests" / "workers" / "ckpt_plain_ds_worker.py"
+WORKER = ROOT / "tests" / "checkpoint" / "ckpt_plain_ds_worker.py"
 DS_FILE = "zero_pp_rank_0_mp_rank_00_model_states.pt"
 HANDMADE = {DS_FILE: b"deepspeed bytes " * 64, "lazyzero_rank00000.pt": b"lazyzero bytes " * 8}
 
@@ -123,7 +123,7 @@ def test_export_copies_where_hard_links_are_impossible(handmade, tmp_path, capsy
     def cross_device(source, target):
         raise OSError(errno.EXDEV, "Invalid cross-device link")
 
-    monkeypatch.setattr("lazyzero.checkpoint.cli.os.link", cross_device)
+    monkeypatch.setattr("lazyzero.checkpoint.commands.os.link", cross_device)
     out = tmp_path / "exported"
     status, stdout, _ = _ckpt(capsys, "export", handmade, "--out", out)
     assert status == 0 and "0 file(s) hard-linked, 1 copied" in stdout

@@ -1,6 +1,6 @@
 """RELIABILITY.md row 5: parameters change while a flush is slow, and saves come during flushes.
 
-One 2-rank launch (tests/workers/lazy_ckpt_worker.py, mode slow_writer) runs several seeded runs of
+One 2-rank launch (tests/checkpoint/lazy_ckpt_worker.py, mode slow_writer) runs several seeded runs of
 16 steps with ZeRO-1 or ZeRO-2: saves at random steps (always two on consecutive steps), each file
 write preceded by a random sleep of up to 0.25 s and each snapshot copy by one of up to 0.05 s, so
 that optimizer steps run while the previous step's snapshot is still being copied or written. Every
@@ -15,7 +15,7 @@ import pytest
 
 from lazyzero.testing import run_distributed
 
-WORKER = Path(__file__).parents[1] / "workers" / "lazy_ckpt_worker.py"
+WORKER = Path(__file__).resolve().parent / "lazy_ckpt_worker.py"
 # SEED:MAX_IN_FLIGHT:ZERO_STAGE
 DEFAULT_RUNS = ["1:1:2", "2:2:2", "3:1:1", "4:2:1"]
 MANY_RUNS = [f"{seed}:{1 + seed % 2}:{1 + (seed // 2) % 2}" for seed in range(5, 21)]

@@ -1,6 +1,6 @@
 """RELIABILITY.md row 1: SIGKILL at each failpoint of a lazy save, then a fresh run resumes (2 real ranks).
 
-Each case trains 6 steps and saves step2, step4, step6 (tests/workers/lazy_ckpt_worker.py, mode
+Each case trains 6 steps and saves step2, step4, step6 (tests/checkpoint/lazy_ckpt_worker.py, mode
 train); LAZYZERO_FAILPOINT=NAME@RANK#N SIGKILLs RANK at the N-th checkpoint (step<2N>). Then the job
 must have ended non-zero; `list_checkpoints` must show only committed checkpoints; one more launch
 resumes every case with a fresh engine, which must remove the leftovers with a warning and load
@@ -21,11 +21,11 @@ from pathlib import Path
 import pytest
 
 from lazyzero.checkpoint.faults import FAILPOINTS
-from lazyzero.checkpoint.layout import leftover_dirs, read_latest, temp_dir
+from lazyzero.checkpoint.folder_layout import leftover_dirs, read_latest, temp_dir
 from lazyzero.checkpoint.manifest import list_checkpoints
 from lazyzero.testing import run_distributed
 
-WORKER = Path(__file__).parents[1] / "workers" / "lazy_ckpt_worker.py"
+WORKER = Path(__file__).resolve().parent / "lazy_ckpt_worker.py"
 STEPS, SAVE_EVERY = 6, 2
 RANK0_ONLY = {"after_manifest", "after_rename", "after_latest"}  # steps of the commit, which rank 0 does
 BEFORE_RENAME = {"after_snapshot", "mid_file", "before_manifest", "after_manifest"}

@@ -13,7 +13,7 @@ import shutil
 import pytest
 
 from lazyzero.checkpoint.durable_io import hash_file
-from lazyzero.checkpoint.layout import MANIFEST_NAME, temp_dir, trash_dir
+from lazyzero.checkpoint.folder_layout import MANIFEST_NAME, temp_dir, trash_dir
 from lazyzero.checkpoint.manifest import CheckpointDamagedError, committed_tags, list_checkpoints, verify_checkpoint
 
 pytestmark = pytest.mark.multiproc  # everything here uses the session's 2-rank run

@@ -1,6 +1,6 @@
 """RELIABILITY.md rows 3 and 4: injected I/O errors and a failing writer thread during lazy saves.
 
-One 2-rank launch (tests/workers/lazy_ckpt_worker.py, mode errors) runs every case on one ZeRO-2
+One 2-rank launch (tests/checkpoint/lazy_ckpt_worker.py, mode errors) runs every case on one ZeRO-2
 engine: per I/O case a clean save, then a save whose N-th write, fsync or rename on one rank (or
 both) raises ENOSPC or EIO (LAZYZERO_IO_FAULT, N counted from the start of that save); then per
 writer case a clean save and one whose client_state cannot be pickled, so torch.save raises in
@@ -27,11 +27,11 @@ import pytest
 
 from lazyzero.checkpoint import faults
 from lazyzero.checkpoint.durable_io import write_file_atomically
-from lazyzero.checkpoint.layout import leftover_dirs
+from lazyzero.checkpoint.folder_layout import leftover_dirs
 from lazyzero.checkpoint.manifest import verify_checkpoint
 from lazyzero.testing import run_distributed
 
-WORKER = Path(__file__).parents[1] / "workers" / "lazy_ckpt_worker.py"
+WORKER = Path(__file__).resolve().parent / "lazy_ckpt_worker.py"
 # What an injected call touched, from its path.
 DATA, TEMP_FOLDER, MANIFEST = "data", "temp folder", "manifest"
 TAG_FOLDER, SAVE_DIR, LATEST = "tag folder", "save_dir", "latest"

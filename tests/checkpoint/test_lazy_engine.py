@@ -7,7 +7,7 @@ import torch
 from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo
 
 from lazyzero.checkpoint.lazy_engine import LazyCheckpointEngine
-from lazyzero.checkpoint.layout import read_latest
+from lazyzero.checkpoint.folder_layout import read_latest
 from lazyzero.checkpoint.manifest import verify_checkpoint
 from lazyzero.checkpoint.snapshot import HostBufferLimitError
 from lazyzero.checkpoint.staged_io import BLOCK_BYTES

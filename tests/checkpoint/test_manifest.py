@@ -6,7 +6,7 @@ import re
 import pytest
 
 from lazyzero.checkpoint.durable_io import hash_file
-from lazyzero.checkpoint.layout import MANIFEST_NAME, temp_dir, trash_dir
+from lazyzero.checkpoint.folder_layout import MANIFEST_NAME, temp_dir, trash_dir
 from lazyzero.checkpoint.manifest import (CheckpointDamagedError, Manifest, committed_tags, find_problems,
                                           list_checkpoints, read_manifest, resolve_tag_to_load, verify_checkpoint)
 

@@ -1,5 +1,5 @@
 """Resuming a ZeRO-3 run whose parameters and optimizer state are swapped to NVMe is bit-exact
-(lazyzero/runtime/nvme_restore.py): lazy checkpoints, 2 ranks, a model wide enough that every
+(lazyzero/checkpoint/nvme_restore.py): lazy checkpoints, 2 ranks, a model wide enough that every
 large sub-group really goes through the swap files."""
 
 import copy
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lazyzero.runtime.nvme_restore import replay_cpu_adam_bias_correction
+from lazyzero.checkpoint.nvme_restore import replay_cpu_adam_bias_correction
 from lazyzero.testing import run_distributed
 
 ROOT = Path(__file__).resolve().parents[2]

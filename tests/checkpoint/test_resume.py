@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from lazyzero.checkpoint.layout import TEMP_PREFIX, read_latest
+from lazyzero.checkpoint.folder_layout import TEMP_PREFIX, read_latest
 from lazyzero.testing import run_distributed
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -70,7 +70,7 @@ def test_stage3_run_killed_mid_checkpoint_resumes_on_the_same_trajectory(tmp_pat
     # Stages 1 and 2 share DeepSpeed's save and load code; stage 1 runs with -m slow.
     pytest.param(1, False, SAVE_AT, marks=pytest.mark.slow), (2, False, SAVE_AT),
     # CPU Adam's bias correction after a resume differs in the last bit at step 13 unless its beta
-    # powers are replayed (lazyzero/runtime/nvme_restore.py): resume at 12 checks that.
+    # powers are replayed (lazyzero/checkpoint/nvme_restore.py): resume at 12 checks that.
     (3, True, 12)])
 def test_resume_from_lazy_checkpoint_is_exact(tmp_path, stage, offload, save_at):
     config = _config(tmp_path, stage, offload)

@@ -2,7 +2,7 @@
 
 import pytest
 
-from lazyzero.ops import build
+from lazyzero.ops import native_build
 
 
 @pytest.fixture(scope="session")
@@ -11,8 +11,8 @@ def native_cpu() -> None:
 
     A failed build is an error, not a skip: the kernels are part of the project.
     """
-    if not build.ensure_native("cpu"):
-        current = next(entry for entry in build.status() if entry.backend == "cpu")
+    if not native_build.ensure_native("cpu"):
+        current = next(entry for entry in native_build.status() if entry.backend == "cpu")
         if current.state == "unavailable":
             pytest.skip(f"native CPU kernels cannot be built here: {current.reason}")
         pytest.fail(f"native CPU kernels failed to build: {current.reason}")

@@ -17,7 +17,7 @@ import pytest
 import torch
 from quant_samples import varied_magnitudes
 
-from lazyzero.ops import adam8bit, adam8bit_reference, build
+from lazyzero.ops import adam8bit, adam8bit_reference, native_build
 from lazyzero.testing import TOLERANCES, assert_close
 
 pytestmark = pytest.mark.gpu
@@ -33,7 +33,7 @@ VARIANTS = {
 
 @pytest.fixture(scope="module", autouse=True)
 def native_cuda():
-    assert build.ensure_native("cuda")
+    assert native_build.ensure_native("cuda")
 
 
 def host_scalars(step: int, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,

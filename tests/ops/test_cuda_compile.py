@@ -1,7 +1,7 @@
 """Compile-only check of the CUDA kernels: nvcc must accept every .cu file with torch's headers.
 
 It needs nvcc, not a GPU, so CPU-only machines still catch CUDA compile errors. The flags are the
-ones the real build uses (lazyzero.ops.build.NVCC_FLAGS and torch's own nvcc flags), for sm_90.
+ones the real build uses (lazyzero.ops.native_build.NVCC_FLAGS and torch's own nvcc flags), for sm_90.
 One nvcc call per .cu file; each takes about a minute, most of it parsing torch's headers.
 """
 
@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 import torch.utils.cpp_extension as cpp_extension
 
-from lazyzero.ops import build
+from lazyzero.ops import native_build
 
-CUDA_SOURCES = build.NATIVE_SOURCES["cuda"]
+CUDA_SOURCES = native_build.NATIVE_SOURCES["cuda"]
 TORCH_INCLUDE = Path(cpp_extension.include_paths()[0])
 
 
@@ -41,7 +41,7 @@ def missing_prerequisite() -> str:
 
 def nvcc_command(source: Path, output: Path) -> list[str]:
     includes = [*cpp_extension.include_paths(), sysconfig.get_paths()["include"]]
-    includes += [str(build.csrc_dir() / "include"), str(build.csrc_dir())]
+    includes += [str(native_build.csrc_dir() / "include"), str(native_build.csrc_dir())]
     defines = []
     # CPU builds of torch omit this generated header; its only content is the export switch of a
     # shared c10_cuda library, which this define skips. CUDA builds of torch ship it.
@@ -58,7 +58,7 @@ def nvcc_command(source: Path, output: Path) -> list[str]:
         "-arch=sm_90",
         "-Xcompiler",
         "-fPIC",
-        *build.NVCC_FLAGS,
+        *native_build.NVCC_FLAGS,
         *cpp_extension.COMMON_NVCC_FLAGS,
         *defines,
         *(f"-I{path}" for path in includes),
@@ -70,7 +70,7 @@ def test_cuda_source_compiles(source, tmp_path):
     reason = missing_prerequisite()
     if reason:
         pytest.skip(reason)
-    command = nvcc_command(build.csrc_dir() / source, tmp_path / "kernel.o")
+    command = nvcc_command(native_build.csrc_dir() / source, tmp_path / "kernel.o")
     result = subprocess.run(command, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, f"nvcc failed:\n{result.stderr[-6000:]}"
     assert (tmp_path / "kernel.o").stat().st_size > 0

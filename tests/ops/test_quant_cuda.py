@@ -16,7 +16,7 @@ from quant_samples import (
 )
 
 import lazyzero.ops.quant  # noqa: F401  (defines the torch.ops.lazyzero schemas)
-from lazyzero.ops import build, dequantize_blockwise, quant_reference, quantize_blockwise
+from lazyzero.ops import dequantize_blockwise, native_build, quant_reference, quantize_blockwise
 from lazyzero.testing import assert_close
 
 pytestmark = pytest.mark.gpu
@@ -25,7 +25,7 @@ ops = torch.ops.lazyzero
 
 @pytest.fixture(scope="module", autouse=True)
 def native_cuda():
-    assert build.ensure_native("cuda")
+    assert native_build.ensure_native("cuda")
 
 
 def cpu(tensors):

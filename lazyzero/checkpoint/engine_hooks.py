@@ -1,0 +1,108 @@
+"""What `LazyZeroEngine` adds to DeepSpeed's save and load: the lazy engine, lazyzero's per-rank
+state, NVMe-resident optimizer state, and verified loading (issue 4; lazyzero/checkpoint/)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from pathlib import Path
+
+import torch
+from deepspeed import comm as dist
+from deepspeed.utils import logger
+
+from lazyzero.checkpoint.lazy_engine import LazyCheckpointEngine
+from lazyzero.checkpoint.folder_layout import MANIFEST_NAME, read_latest
+from lazyzero.checkpoint.manifest import resolve_tag_to_load, verify_checkpoint
+from lazyzero.checkpoint.rank_state import load_rank_state, rank_state_document, rank_state_path
+
+
+def lazy_checkpoint_engine(engine) -> LazyCheckpointEngine:
+    return LazyCheckpointEngine(engine.lazyzero_config.checkpoint, rank=dist.get_rank(),
+                                world_size=dist.get_world_size(), on_cuda=engine.device.type == "cuda")
+
+
+@contextlib.contextmanager
+def lazy_save(engine, save_dir: str, save_latest: bool):
+    """Around DeepSpeed's save_checkpoint: take a buffer slot before, release it if the save fails."""
+    checkpoint_engine = engine.checkpoint_engine
+    checkpoint_engine.prepare(str(save_dir), save_latest, engine.global_steps, barrier=dist.barrier)
+    engine._inside_lazy_save = True
+    try:
+        yield
+    except BaseException:
+        checkpoint_engine.abandon()
+        raise
+    finally:
+        engine._inside_lazy_save = False
+
+
+def save_rank_state(engine, save_dir: str, tag: str) -> None:
+    """lazyzero_rank<R>.pt through the engine's checkpoint engine, inside DeepSpeed's save (so before
+    'latest' is written, and in the same lazy commit)."""
+    if not engine._keeps_rank_state():
+        return
+    document = rank_state_document(engine.global_rank, engine.world_size, engine.lazyzero_rank_state())
+    engine.checkpoint_engine.save(document, str(rank_state_path(os.path.join(save_dir, tag), engine.global_rank)))
+
+
+def snapshot_nvme_optimizer_files(engine, save_dir: str, tag: str) -> None:
+    """The optimizer's NVMe swap files, as DeepSpeed itself would copy them (same folder in the
+    checkpoint, gradient swap files skipped), but read into host buffers before the next step."""
+    if not engine.zero_optimization() or not getattr(engine.optimizer, "optimizer_swapper", None):
+        return
+    from deepspeed.runtime.engine import dp_index_to_str
+
+    rank = engine.local_rank if engine.use_node_local_storage() else engine.global_rank
+    swap_folder = Path(engine.optimizer.optimizer_swapper.swap_folder)
+    for source in sorted(p for p in swap_folder.rglob("*") if p.is_file()):
+        relative = source.relative_to(swap_folder)
+        if any("gradient" in part for part in relative.parts):
+            continue
+        engine.checkpoint_engine.add_raw_file(f"offloaded_tensors/rank{dp_index_to_str(rank)}/{relative.as_posix()}", str(source))
+
+
+def prepare_load(engine, load_dir: str, tag: str | None) -> str | None:
+    """The tag to load, after cleaning leftovers and verifying it (CheckpointDamagedError if damaged)."""
+    if engine.lazy_checkpoints:
+        engine.checkpoint_engine.clean_leftovers(load_dir, barrier=dist.barrier)
+        if tag is None:
+            tag, why = resolve_tag_to_load(load_dir)
+            if why and engine.global_rank == 0:
+                print(f"lazyzero: {why}", flush=True)
+            if tag is None:
+                return None
+    if tag is None:
+        tag = read_latest(load_dir)
+        if tag is None:
+            return None  # no 'latest': nothing to load, as with DeepSpeed
+    tag_dir = Path(load_dir) / str(tag)
+    if engine.lazyzero_config.checkpoint.verify_on_load and (tag_dir / MANIFEST_NAME).exists():
+        verify_checkpoint(tag_dir)
+    return str(tag)
+
+
+def restore_rank_state(engine, tag_dir: str) -> None:
+    if not engine._keeps_rank_state():
+        return
+    features, why_not = load_rank_state(tag_dir, engine.global_rank, engine.world_size)
+    if features is None:
+        logger.warning(f"lazyzero: {why_not}; int8 error-feedback residuals restart from zero, RNG states are kept")
+        return
+    if engine._gradient_exchange is not None and engine._gradient_exchange.error_feedback is not None:
+        engine._gradient_exchange.load_state_dict(features.get("gradients"))
+    if "rng" in features:
+        restore_rng_state(features["rng"])
+
+
+def rng_state() -> dict:
+    state = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def restore_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["cpu"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])

@@ -1,0 +1,137 @@
+"""`lazyzero.initialize`: `deepspeed.initialize` with the `"lazyzero"` section validated first.
+
+DeepSpeed's initialize builds its engine class directly, so we take the same ~20-line path
+(DEEPSPEED_NOTES.md: engine subclass) and construct `LazyZeroEngine` instead. Validation runs
+before torch.distributed or anything on disk is touched (RELIABILITY promise 6).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional, Union
+
+import torch
+
+from lazyzero.config import load_ds_config_file, validate_ds_config
+
+
+def initialize(
+    args: Any = None,
+    model: torch.nn.Module = None,
+    optimizer: Any = None,
+    model_parameters: Any = None,
+    training_data: Optional[torch.utils.data.Dataset] = None,
+    lr_scheduler: Any = None,
+    distributed_port: Optional[int] = None,
+    mpu: Any = None,
+    dist_init_required: Optional[bool] = None,
+    collate_fn: Optional[Callable] = None,
+    config: Optional[Union[str, dict]] = None,
+    mesh_param: Any = None,
+    config_params: Optional[Union[str, dict]] = None,
+):
+    """Same arguments and return value as `deepspeed.initialize`: (engine, optimizer, dataloader, lr_scheduler).
+
+    The engine is a `LazyZeroEngine`. `config` may be a path or a dict; `args.deepspeed_config` is
+    honoured as DeepSpeed does. Pipeline and hybrid engines are not supported.
+    """
+    ds_config = _resolve_config(args, config if config is not None else config_params)
+    lazyzero_config = validate_ds_config(ds_config)
+    if model is None:
+        raise ValueError("lazyzero.initialize requires a model")
+
+    import deepspeed
+    from deepspeed import comm as dist
+    from deepspeed.accelerator import get_accelerator
+    from deepspeed.constants import TORCH_DISTRIBUTED_DEFAULT_PORT
+    from deepspeed.pipe import PipelineModule
+    from deepspeed.runtime import zero
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    from lazyzero.engine.engine import LazyZeroEngine
+    from lazyzero.distributed.shm_segments import release_own_segment_name
+
+    if isinstance(model, PipelineModule):
+        raise ValueError("lazyzero does not support PipelineModule models; use deepspeed.initialize for pipeline parallelism")
+    zero.partition_parameters.shutdown_init_context()
+    dist.init_distributed(dist_backend=get_accelerator().communication_backend_name(),
+                          distributed_port=_rendezvous_port(distributed_port, TORCH_DISTRIBUTED_DEFAULT_PORT),
+                          dist_init_required=dist_init_required)
+    release_own_segment_name(dist)
+    # Settings that depend on the number of ranks (e.g. gradients.ranks_per_node) can only be
+    # checked now; still before any engine state or file exists.
+    validate_ds_config(ds_config, world_size=dist.get_world_size())
+    active_plan = None
+    if lazyzero_config.plan.enabled:
+        from lazyzero.plan.engine_setup import plan_run
+
+        # Everything the plan decides becomes ordinary settings of the config DeepSpeed reads.
+        active_plan = plan_run(model, ds_config, lazyzero_config, dist)
+        ds_config, lazyzero_config = active_plan.setup.ds_config, active_plan.lazyzero_config
+    mesh_device = _mesh_device(dist, ds_config, mesh_param)
+    deepspeed.merge_tp_model_init_into_config(ds_config, mpu, mesh_param, dist)
+    config_class = DeepSpeedConfig(ds_config, mpu, mesh_device=mesh_device)
+    if config_class.hybrid_engine.enabled:
+        raise ValueError("hybrid_engine.enabled: got true; allowed: false (lazyzero does not support DeepSpeed's hybrid engine)")
+    if active_plan is not None:
+        _check_planned_config(active_plan, config_class, model)
+    deepspeed.set_optimizer_flags(config_class, model)
+    engine = LazyZeroEngine(args=args, model=model, optimizer=optimizer,
+                            model_parameters=model_parameters, training_data=training_data,
+                            lr_scheduler=lr_scheduler, mpu=mpu, dist_init_required=dist_init_required,
+                            collate_fn=collate_fn, config=ds_config, mesh_device=mesh_device,
+                            config_class=config_class, lazyzero_config=lazyzero_config, active_plan=active_plan)
+    zero.partition_parameters.restore_init_context()
+    engine._configure_python_gc()
+    return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
+
+
+def _check_planned_config(active_plan, config_class, model) -> None:
+    """DeepSpeed's parse of the planned config can realize the plan (one step, one placement)."""
+    from lazyzero.config import LazyZeroConfigError
+    from lazyzero.config.errors import Problem
+    from lazyzero.plan.engine_setup import zero_placement_of
+    from lazyzero.plan.zero_placement import placement_problems
+
+    problems = []
+    if config_class.gradient_accumulation_steps != 1:
+        problems.append(Problem.conflict("gradient_accumulation_steps", config_class.gradient_accumulation_steps,
+                                         "1 while lazyzero.plan.enabled is true",
+                                         "the planner models one forward and backward per optimizer step"))
+    placement = zero_placement_of(active_plan, model)
+    if placement is not None:
+        problems += placement_problems(placement, config_class.zero_config)
+    if problems:
+        raise LazyZeroConfigError(problems)
+
+
+def _resolve_config(args: Any, config: Optional[Union[str, dict]]) -> dict:
+    """The config dict, from `config` or `args.deepspeed_config`, exactly one of them (as DeepSpeed)."""
+    from_args = getattr(args, "deepspeed_config", None)
+    if from_args is not None and config is not None:
+        raise ValueError("a DeepSpeed config was given both as args.deepspeed_config and as config=; give one")
+    config = config if config is not None else from_args
+    if config is None:
+        raise ValueError("no DeepSpeed config: pass config=PATH_OR_DICT or args.deepspeed_config")
+    return dict(config) if isinstance(config, dict) else load_ds_config_file(config)
+
+
+def _rendezvous_port(requested: Optional[int], default: int) -> int:
+    """The port given, else MASTER_PORT from the environment, else DeepSpeed's default.
+
+    Under `mpirun`, DeepSpeed's MPI discovery overwrites MASTER_PORT with the port argument; honouring
+    the variable lets several jobs (or tests) share one host, as with the deepspeed launcher."""
+    import os
+
+    if requested is not None:
+        return requested
+    return int(os.environ.get("MASTER_PORT", default))
+
+
+def _mesh_device(dist, ds_config: dict, mesh_param: Any):
+    """The data/sequence-parallel mesh, as deepspeed.initialize builds it."""
+    if mesh_param:
+        return dist.initialize_mesh_device(mesh_param, ("data_parallel", "sequence_parallel"))
+    if "sequence_parallel_size" in ds_config and "data_parallel_size" in ds_config:
+        shape = (ds_config["data_parallel_size"], ds_config["sequence_parallel_size"])
+        return dist.initialize_mesh_device(shape, ("data_parallel", "sequence_parallel"))
+    return None

@@ -1,0 +1,97 @@
+"""The 8-bit optimizer inside the engine: built where DeepSpeed builds its Adam, clipped fused.
+
+`"lazyzero": {"optimizer": {"type": "adam8bit" | "adamw8bit"}}` replaces the Adam/AdamW that
+DeepSpeed's "optimizer" section would build, with its hyper-parameters (lr, betas, eps,
+weight_decay). ZeRO then wraps it like any basic optimizer: it steps fp32 master partitions on the
+device (stages 0-3) or on the host under optimizer offload, where DeepSpeed would run its CPU Adam.
+"""
+
+from __future__ import annotations
+
+import math
+
+from deepspeed.utils.logging import print_dist
+
+from lazyzero.config.cross_checks import ADAM_FAMILY
+from lazyzero.optimizer import Adam8bit, AdamW8bit
+from lazyzero.optimizer import clipping
+from lazyzero.optimizer.state_policy import choose_state_precision, split_param_groups
+
+# Keys of DeepSpeed's Adam sections that pick DeepSpeed's implementation, not the mathematics.
+IMPLEMENTATION_KEYS = ("torch_adam", "adam_w_mode", "fp32_optimizer_states", "foreach", "fused", "capturable",
+                       "bias_correction", "differentiable", "maximize")
+HYPERPARAMETERS = ("lr", "betas", "eps", "weight_decay")
+
+
+def check_optimizer_source(lazyzero_config, client_optimizer, config_class) -> None:
+    """Before DeepSpeed builds anything: the 8-bit optimizer needs the config's Adam/AdamW section
+    and no optimizer from code (DeepSpeed would silently use that one instead)."""
+    chosen = lazyzero_config.optimizer.type
+    if chosen == "none":
+        return
+    if client_optimizer is not None:
+        raise ValueError(
+            f"lazyzero.optimizer.type is {chosen!r}, but an optimizer was passed to lazyzero.initialize: the 8-bit "
+            "optimizer is built from the config's \"optimizer\" section instead; pass optimizer=None, or set "
+            "lazyzero.optimizer.type to 'none' to keep yours")
+    name = getattr(config_class, "optimizer_name", None)
+    if name is None or name.lower() not in ADAM_FAMILY:
+        raise ValueError(f"lazyzero.optimizer.type {chosen!r} needs an \"optimizer\" section of type Adam or AdamW "
+                         f"in the DeepSpeed config (its hyper-parameters are used); got {name!r}")
+
+
+def build_8bit_optimizer(engine, model_parameters) -> Adam8bit:
+    """The basic optimizer DeepSpeed's `_configure_basic_optimizer` would return, 8-bit instead."""
+    settings = engine.lazyzero_config.optimizer
+    hyperparameters = _hyperparameters(engine.optimizer_params() or {})
+    plan = choose_state_precision(list(engine.module.named_parameters()), settings)
+    groups = split_param_groups(engine.module, model_parameters, plan)
+    optimizer_class = AdamW8bit if settings.type == "adamw8bit" else Adam8bit
+    _declare_zero_support(optimizer_class)
+    print_dist(f"lazyzero: {optimizer_class.__name__}: {plan.summary()}", ranks=[0])
+    # min_8bit_size is applied by the policy on whole parameters; ZeRO's flat partitions of an
+    # 8-bit group stay 8-bit whatever their size on this rank.
+    return optimizer_class(groups, block_size=settings.block_size, min_8bit_size=0, **hyperparameters)
+
+
+def _declare_zero_support(optimizer_class) -> None:
+    """Add our class to DeepSpeed's list of optimizers ZeRO is tested with (else it demands
+    zero_allow_untested_optimizer): tests/optimizer/test_engine_8bit.py runs it on every stage."""
+    from deepspeed.runtime.zero.utils import ZERO_SUPPORTED_OPTIMIZERS
+
+    if optimizer_class not in ZERO_SUPPORTED_OPTIMIZERS:
+        ZERO_SUPPORTED_OPTIMIZERS.append(optimizer_class)
+
+
+def _hyperparameters(params: dict) -> dict:
+    if params.get("amsgrad"):
+        raise ValueError("optimizer.params.amsgrad: got true; the 8-bit optimizers implement Adam/AdamW without "
+                         "amsgrad (allowed: false or absent)")
+    unknown = set(params) - set(HYPERPARAMETERS) - set(IMPLEMENTATION_KEYS) - {"amsgrad"}
+    if unknown:
+        raise ValueError(f"optimizer.params: {sorted(unknown)} not understood by lazyzero's 8-bit optimizers "
+                         f"(allowed: {', '.join(HYPERPARAMETERS + IMPLEMENTATION_KEYS)})")
+    chosen = {key: params[key] for key in HYPERPARAMETERS if key in params}
+    if "betas" in chosen:
+        chosen["betas"] = tuple(chosen["betas"])
+    return chosen
+
+
+def install_fused_clipping(engine, zero_optimizer) -> None:
+    """Route the ZeRO optimizer's norm and clip through the fused versions (lazyzero.optimizer.clipping)."""
+    if engine.zero_optimization_stage() == 3:
+        clipping.install_on_stage_3(zero_optimizer)
+    else:
+        clipping.install_on_stage_1_2(zero_optimizer)
+
+
+def stage_0_norm_and_clip(engine) -> None:
+    """Stage 0, fp32: gradients are all-reduced already, so the norm needs no reduction. It is
+    computed every step (reported, and a non-finite one skips the step), clipped when configured."""
+    optimizer = engine.optimizer
+    gradients = [param.grad for param in engine.module.parameters() if param.grad is not None]
+    norm = clipping.global_grad_norm(gradients, reduce=False)
+    optimizer.grad_scale = clipping.grad_scale_for(norm, 1.0, engine.gradient_clipping())
+    optimizer._global_grad_norm = float(norm)
+    # DeepSpeed reads `overflow` after the step: it then counts a skipped step and holds the LR.
+    optimizer.overflow = not math.isfinite(optimizer.grad_scale)

@@ -1,0 +1,15 @@
+"""Memory planner (issue 7): problem -> MILP (python-mip, CBC) -> Plan, with a greedy plan, the
+baselines it is compared with, and a step simulator that checks any plan against the budgets."""
+
+from lazyzero.plan.baselines import deepspeed_default_plan, fixed_rule_plan
+from lazyzero.plan.greedy import greedy_plan
+from lazyzero.plan.milp import SolverFoundNoPlan, build_model, solve
+from lazyzero.plan.problem import (ActTransfer, LayerCosts, LayerPlan, Machine, Path, Plan, PlanInfeasible,
+                                      PlanProblem, Tier)
+from lazyzero.plan.simulate import BudgetExceeded, StepSimulation, check_within_budgets, simulate
+
+__all__ = [
+    "ActTransfer", "BudgetExceeded", "LayerCosts", "LayerPlan", "Machine", "Path", "Plan", "PlanInfeasible",
+    "PlanProblem", "SolverFoundNoPlan", "StepSimulation", "Tier", "build_model", "check_within_budgets",
+    "deepspeed_default_plan", "fixed_rule_plan", "greedy_plan", "simulate", "solve",
+]

@@ -1,0 +1,182 @@
+"""Planning problems corrected by measurements (issue 7).
+
+`engine_calibrated`, before a run: the profile's engine calibration (real engines of the model cut to
+a few decoder layers, everything in memory, profile_engine.py) against what the problem predicts
+for the same engines. The difference between the two engines' errors, per layer between them, is
+DeepSpeed's own cost per layer (module hooks, gathers, buckets, partition copies), split 1:2 into
+each decoder layer's forward and backward; what remains of the smaller engine's error is its cost
+per step, added to the head's backward. The larger excess of the two engines' memory over the
+prediction, if any, moves the workspace.
+
+`calibrated_problem`, during a run (re-planning): every compute time (layer forward, backward,
+optimizer) is scaled by measured / predicted step time, and the compute memory's workspace moves by
+measured - predicted peak. The placements of parameters and optimizer states are fixed to the
+measured plan's: the running engine cannot move them, so the new plan may only change the
+activation choices.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from lazyzero.plan.costs import EMBED_AND_HEAD
+from lazyzero.plan.problem import LayerPlan, Machine, Plan, PlanProblem
+
+
+def engine_calibrated(problem: PlanProblem, profile, process_bytes: int) -> PlanProblem:
+    """`problem` with DeepSpeed's own per-layer and per-step time, and its fixed memory, from
+    `profile.engine` (engines of a few and of more decoder layers). `process_bytes`: the part of the
+    problem's workspace that is the process itself, not the engine (the engines ran in processes of
+    their own: their memory is compared without it)."""
+    runs = sorted(profile.engine.runs, key=lambda run: run.layers)
+    if len(runs) != 2 or runs[0].layers >= runs[1].layers:
+        raise ValueError(f"engine calibration: needs engines of two layer counts, the profile has "
+                         f"{[run.layers for run in runs]}")
+    errors = []
+    for run in runs:
+        step_s, peak = _in_memory_prediction(_cut(problem, run.layers))
+        # The engine's memory: its peak above what the process held before it, plus the model it
+        # was given, which ZeRO-3 freed while partitioning it (it was in `before_bytes`).
+        engine_bytes = run.peak_bytes - run.before_bytes + run.model_bytes
+        errors.append((run.step_s - step_s, engine_bytes - (peak - process_bytes)))
+    (small_s, _), (large_s, _) = errors
+    per_layer_s = (large_s - small_s) / (runs[1].layers - runs[0].layers)
+    per_step_s = small_s - runs[0].layers * per_layer_s
+    layers = tuple(_with_overhead(c, per_layer_s, per_step_s) for c in problem.layers)
+    # Memory per layer is what the formulas count; what an engine holds beyond them is DeepSpeed's
+    # and the allocator's, whatever the depth, so the larger of the two excesses moves the workspace.
+    # Only an excess: an engine's peak is measured above the resident set its process had before it
+    # was built, which includes heap the process had freed and the engine then reuses (the import
+    # of transformers, the model's creation, the previous engine), so a measured engine can look
+    # smaller than it is, never larger (-155 and -124 MB here, while the planned run held 280 MB more
+    # than predicted before the swap buffers were counted).
+    excess = max(0.0, *(error for _, error in errors))
+    return replace(problem, layers=layers, workspace_bytes=max(0, round(problem.workspace_bytes + excess)))
+
+
+def _cut(problem: PlanProblem, decoder_layers: int) -> PlanProblem:
+    """The problem of the same model with only its first `decoder_layers` decoder layers."""
+    kept = [c for c in problem.layers if c.name != EMBED_AND_HEAD][:decoder_layers]
+    return replace(problem, layers=tuple(kept + [c for c in problem.layers if c.name == EMBED_AND_HEAD]),
+                   fixed_placements=None)
+
+
+def _in_memory_prediction(problem: PlanProblem) -> tuple[float, float]:
+    """Predicted step time and compute-memory peak of the calibration engines: every tensor in
+    memory, fp32 optimizer states, activations kept at 16 bits (the user's optimizer)."""
+    from lazyzero.plan.simulate import evaluate_layers
+
+    plan = evaluate_layers(problem, [LayerPlan("keep", 16, "gpu", "gpu", "gpu", False)] * problem.num_layers, "greedy")
+    return plan.predicted_step_s, plan.predicted_peak_bytes["gpu"]
+
+
+def _with_overhead(costs, per_layer_s: float, per_step_s: float):
+    if costs.name == EMBED_AND_HEAD:
+        return replace(costs, bwd_s=max(0.0, costs.bwd_s + per_step_s))
+    return replace(costs, fwd_s=max(0.0, costs.fwd_s + per_layer_s / 3), bwd_s=max(0.0, costs.bwd_s + 2 * per_layer_s / 3))
+
+
+def calibrated_problem(problem: PlanProblem, plan: Plan, measured_step_s: float, measured_peak_bytes: float) -> PlanProblem:
+    if measured_step_s <= 0 or plan.predicted_step_s <= 0:
+        raise ValueError(f"step times must be > 0, got measured {measured_step_s!r}, predicted {plan.predicted_step_s!r}")
+    speed = measured_step_s / plan.predicted_step_s
+    layers = tuple(replace(c, fwd_s=c.fwd_s * speed, bwd_s=c.bwd_s * speed,
+                           quality_cost={bits: cost * speed for bits, cost in c.quality_cost.items()})
+                   for c in problem.layers)
+    machine: Machine = replace(problem.machine, cpu_adam_s_per_byte=problem.machine.cpu_adam_s_per_byte * speed,
+                               gpu_adam_s_per_byte=problem.machine.gpu_adam_s_per_byte * speed)
+    workspace = max(0, round(problem.workspace_bytes + measured_peak_bytes - plan.predicted_peak_bytes["gpu"]))
+    return replace(problem, layers=layers, machine=machine, workspace_bytes=workspace,
+                   fixed_placements=tuple(lp.placement for lp in plan.layers))
+
+
+# How far above its budget a re-plan may let the compute memory go, in steps of the budget, when
+# the measured memory leaves no plan within it (the run goes on with the least excess it can get).
+EXCESS_STEP, MAX_EXCESS = 0.025, 0.5
+
+
+def with_compute_capacity(problem: PlanProblem, capacity: float) -> PlanProblem:
+    tiers = {**problem.machine.tiers, "gpu": replace(problem.machine.tiers["gpu"], capacity_bytes=round(capacity))}
+    return replace(problem, machine=replace(problem.machine, tiers=tiers))
+
+
+def smallest_compute_budget(problem: PlanProblem, *, low: float | None = None, high: float | None = None,
+                            rounds: int = 8, time_limit_s: float = 2.0) -> int | None:
+    """About the least compute-memory capacity (bytes, within (high - low) / 2**rounds) at which
+    `problem` has a plan, by bisection between `low` (default: its own capacity, taken to have none)
+    and `high` (default: four times that); None when even `high` has none. For error messages (how
+    much memory a run that cannot start would need) and for choosing test budgets."""
+    from lazyzero.plan import PlanInfeasible, SolverFoundNoPlan, solve
+
+    def feasible(capacity: float) -> bool:
+        try:
+            solve(with_compute_capacity(problem, capacity), time_limit_s=time_limit_s, max_gap=1.0)
+            return True
+        except (PlanInfeasible, SolverFoundNoPlan):
+            return False
+
+    capacity = problem.machine.tiers["gpu"].capacity_bytes
+    low = float(capacity if low is None else low)
+    high = float(4 * capacity if high is None else high)
+    if not feasible(high):
+        return None
+    for _ in range(rounds):
+        middle = (low + high) / 2
+        low, high = (low, middle) if feasible(middle) else (middle, high)
+    return round(high)
+
+
+def solve_with_least_excess(problem: PlanProblem, time_limit_s: float, max_gap: float) -> tuple[Plan, float]:
+    """The best plan within the budgets or, when measurements left none, within the smallest
+    compute-memory budget (in steps of `EXCESS_STEP` over the given one) that admits one; returns
+    the plan and that excess (0.0: within the budget). Re-raises PlanInfeasible beyond `MAX_EXCESS`."""
+    from lazyzero.plan import PlanInfeasible, solve
+
+    capacity = problem.machine.tiers["gpu"].capacity_bytes
+    steps = round(MAX_EXCESS / EXCESS_STEP)
+    for step in range(steps + 1):
+        excess = step * EXCESS_STEP
+        try:
+            return solve(with_compute_capacity(problem, capacity * (1 + excess)),
+                         time_limit_s=time_limit_s, max_gap=max_gap), excess
+        except PlanInfeasible as error:
+            if "gpu" not in error.tiers or step == steps:
+                raise
+    raise AssertionError("unreachable")
+
+
+@dataclass(frozen=True)
+class HeadroomBudget:
+    """A compute-memory capacity placed between the least that admits a plan and the all-in-memory
+    plan's peak (planning capacities: after `memory_reserve`)."""
+
+    share: float
+    least_bytes: int
+    in_memory_bytes: int
+
+    @property
+    def capacity_bytes(self) -> int:
+        return round(self.least_bytes + self.share * (self.in_memory_bytes - self.least_bytes))
+
+
+def all_in_memory_peak(problem: PlanProblem) -> int:
+    """The compute-memory peak of the plan that keeps every tensor in memory, at 16 bits, fp32 states."""
+    from lazyzero.plan.simulate import evaluate_layers
+
+    keep = [LayerPlan("keep", 16, "gpu", "gpu", "gpu", False)] * problem.num_layers
+    return round(evaluate_layers(problem, keep, "greedy").predicted_peak_bytes["gpu"])
+
+
+def headroom_budget(problem: PlanProblem, share: float) -> HeadroomBudget:
+    """`share` of the way from the least compute-memory capacity that admits a plan of `problem` to
+    the all-in-memory plan's peak. Both move with everything the profile measured (the process, the
+    libraries it loaded), so a budget given this way holds on any machine and torch build."""
+    from lazyzero.plan import PlanInfeasible
+
+    in_memory = all_in_memory_peak(problem)
+    least = smallest_compute_budget(problem, low=0, high=in_memory, rounds=12)
+    if least is None:
+        raise PlanInfeasible(f"lazyzero.plan.headroom_share: no plan fits even the all-in-memory peak "
+                             f"({in_memory / 1e9:.2f} GB per rank); another tier's budget (cpu_mem, nvme_path) "
+                             "is too small", ("gpu",))
+    return HeadroomBudget(share, min(least, in_memory), in_memory)

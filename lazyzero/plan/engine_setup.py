@@ -1,0 +1,298 @@
+"""The memory planner inside `lazyzero.initialize` (`"lazyzero": {"plan": {"enabled": true}}`, issue 7).
+
+Before DeepSpeed builds anything: profile the model on this machine (or reuse the profile file),
+turn the profile into the planning problem of one rank (`problem_from_profile`), solve it on rank 0
+and broadcast the plan (CBC under a time limit need not give every rank the same answer), and
+rewrite the DeepSpeed config into the one the plan implies (`lazyzero.plan.implied`). The engine
+is then built from that config, with the plan beside it so that it can compare what it measures with
+what was predicted (`plan_monitor.py`).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from lazyzero.config import LazyZeroConfig, validate_ds_config
+from lazyzero.plan.implied import ImpliedSetup, implied_setup
+from lazyzero.plan.problem import Plan, PlanProblem
+
+# Copy-speed tests of 64 MiB instead of the profiler's default 256 MiB: a planned run profiles inside
+# its memory budget, and 64 MiB is still far beyond any cache.
+PROFILE_COPY_BYTES = 64 * 2**20
+
+
+@dataclass
+class ActivePlan:
+    """The plan a run was built from, with what it needs to be checked and revised."""
+
+    problem: PlanProblem
+    plan: Plan
+    setup: ImpliedSetup
+    lazyzero_config: LazyZeroConfig
+    """The validated "lazyzero" section of `setup.ds_config`, with the user's plan settings."""
+
+
+def plan_run(model: torch.nn.Module, ds_config: dict, config: LazyZeroConfig, dist) -> ActivePlan:
+    """Profile, plan and return the setup every rank builds its engine from (all ranks call this)."""
+    from lazyzero.plan.host_memory import bound_host_heap
+
+    if not torch.cuda.is_available():
+        bound_host_heap()
+    problem, sizes = problem_for_run(model, ds_config, config.plan, dist)
+    if config.plan.plan_path is not None:
+        plan = given_plan(problem, config.plan.plan_path)
+    else:
+        plan, _ = solve_on_rank_zero(problem, config.plan, dist)
+    setup = implied_setup(problem, plan, base=_base_config(ds_config), nvme_path=_absolute(config.plan.nvme_path),
+                          sizes=sizes)
+    planned = validate_ds_config(setup.ds_config, world_size=dist.get_world_size())
+    planned.plan = config.plan
+    active = ActivePlan(problem, plan, setup, planned)
+    if dist.get_rank() == 0:
+        _show(active)
+    return active
+
+
+def problem_for_run(model: torch.nn.Module, ds_config: dict, settings, dist):
+    """This rank's planning problem: the profile (measured now, or the cached one) under the budgets."""
+    from lazyzero.plan.implied import calibration_ds_config
+    from lazyzero.plan.problem_from_profile import problem_for_config, training_dtype
+    from lazyzero.plan.profile.profiler import ProfileSettings, load_or_profile
+
+    if settings.gpu_mem is not None and not torch.cuda.is_available():
+        raise ValueError(f"lazyzero.plan.gpu_mem: got {settings.gpu_mem}; allowed: null on a machine without CUDA "
+                         "(training computes in host memory: budget it with lazyzero.plan.cpu_mem)")
+    if settings.headroom_share is not None and settings.cpu_mem is not None and not torch.cuda.is_available():
+        raise ValueError(f"lazyzero.plan.cpu_mem: got {settings.cpu_mem}; allowed: null while lazyzero.plan."
+                         "headroom_share is set on a machine without CUDA (headroom_share sets the memory "
+                         "training computes in)")
+    dtype = training_dtype(ds_config)
+    if next(model.parameters()).dtype != dtype:
+        # DeepSpeed casts the parameters to the training dtype when it partitions them; doing it
+        # first makes the profile time the layers in the dtype they will train in.
+        model.to(dtype)
+    size = PROFILE_COPY_BYTES
+    offload_to_nvme = settings.nvme_path is not None and not torch.cuda.is_available()
+    engine_config = calibration_ds_config(ds_config, model_sizes_of(model, dist.get_world_size()),
+                                          _absolute(settings.nvme_path), offload_to_nvme)
+    profile = load_or_profile(_profile_path(settings, model), model,
+                              micro_batch=int(ds_config.get("train_micro_batch_size_per_gpu", 1)),
+                              seq_len=settings.seq_len, nvme_path=settings.nvme_path, ds_config=ds_config,
+                              settings=ProfileSettings(host_copy_bytes=size, nvme_bytes=size, device_copy_bytes=size),
+                              log=lambda line: print(line, flush=True), engine_config=engine_config)
+    from lazyzero.plan.host_memory import resident_bytes
+
+    # What this rank holds besides the model, now, just before the engine is built: that stays.
+    model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    problem, sizes = problem_for_config(profile, ds_config, settings, dist.get_world_size(), _local_ranks(dist),
+                                        process_bytes=max(0, resident_bytes() - model_bytes),
+                                        decide=lambda work: on_rank_zero(work, dist))
+    if problem.headroom is not None and dist.get_rank() == 0:
+        print(headroom_line(problem, settings), flush=True)
+    return problem, sizes
+
+
+def headroom_line(problem: PlanProblem, settings) -> str:
+    """What `plan.headroom_share` came to on this machine, in the user's per-rank budget terms."""
+    headroom = problem.headroom
+    key = "gpu_mem" if problem.machine.has_host else "cpu_mem"
+    return (f"lazyzero plan: headroom_share {headroom.share:g} -> {key} "
+            f"{budget_of(headroom.capacity_bytes, settings) / 1e9:.2f} GB per rank (least with a plan "
+            f"{budget_of(headroom.least_bytes, settings) / 1e9:.2f} GB, every tensor in memory "
+            f"{budget_of(headroom.in_memory_bytes, settings) / 1e9:.2f} GB; after memory_reserve "
+            f"{settings.memory_reserve:g})")
+
+
+def model_sizes_of(model: torch.nn.Module, world_size: int):
+    """The element counts the ZeRO-3 settings are sized from, read off the model itself."""
+    from lazyzero.plan.implied import ModelSizes
+    from lazyzero.plan.profile.layers import decoder_layers
+
+    layers = list(decoder_layers(model).values())
+    return ModelSizes(largest_layer_numel=max(sum(p.numel() for p in layer.parameters()) for layer in layers),
+                      largest_tensor_numel=max(p.numel() for p in model.parameters()),
+                      tensors_per_layer=max(len(list(layer.parameters())) for layer in layers), world_size=world_size)
+
+
+def _profile_path(settings, model: torch.nn.Module) -> str:
+    """`plan.profile_path`, else one file per model architecture in the user's cache folder."""
+    import os
+
+    from lazyzero.plan.profile.profiler import model_config_sha256
+
+    if settings.profile_path is not None:
+        return settings.profile_path
+    folder = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "lazyzero" / "profiles"
+    folder.mkdir(parents=True, exist_ok=True)
+    return str(folder / f"{model_config_sha256(model)[:16]}-seq{settings.seq_len}.json")
+
+
+def _local_ranks(dist) -> int:
+    """Ranks sharing this host's memory budget (from the launcher; without one, all ranks)."""
+    from lazyzero.gradients.node_layout import launcher_ranks_per_node
+
+    return launcher_ranks_per_node() or dist.get_world_size()
+
+
+def solve_on_rank_zero(problem: PlanProblem, settings, dist, least_excess: bool = False) -> tuple[Plan, float]:
+    """Rank 0 solves (MILP with its greedy warm start); every rank receives the same plan, or the same
+    error. With `least_excess`, a compute-memory budget that admits no plan is raised as little as
+    needed (`calibrate.solve_with_least_excess`). Returns the plan and that excess (0.0: none)."""
+
+    def solve_here() -> tuple[str, float]:
+        from rich.console import Console
+
+        from lazyzero.plan import PlanInfeasible, solve
+        from lazyzero.plan.calibrate import solve_with_least_excess
+
+        with Console(stderr=True).status(f"lazyzero plan: solving ({problem.num_layers} layers, "
+                                         f"limit {settings.time_limit_s:g} s)"):
+            if least_excess:
+                plan, excess = solve_with_least_excess(problem, settings.time_limit_s, settings.max_gap)
+            else:
+                try:
+                    plan, excess = solve(problem, time_limit_s=settings.time_limit_s, max_gap=settings.max_gap), 0.0
+                except PlanInfeasible as error:
+                    raise _budget_advice(problem, settings, error) from None
+        return plan.to_json(), excess
+
+    plan_json, excess = on_rank_zero(solve_here, dist)
+    return Plan.from_json(plan_json), excess
+
+
+def _budget_advice(problem: PlanProblem, settings, error) -> Exception:
+    """The solver's PlanInfeasible, with the budget key to raise and about how far (searched)."""
+    from lazyzero.plan import PlanInfeasible
+    from lazyzero.plan.calibrate import smallest_compute_budget
+
+    if "gpu" not in error.tiers:
+        return error
+    key = "gpu_mem" if problem.machine.has_host else "cpu_mem"
+    capacity = problem.machine.tiers["gpu"].capacity_bytes
+    needed = smallest_compute_budget(problem)
+    shared = "" if key == "gpu_mem" else "; cpu_mem is per node, shared by its ranks"
+    advice = (f"about {budget_of(needed, settings) / 1e9:.2f} GB per rank would admit one" if needed is not None
+              else f"not even {budget_of(4 * capacity, settings) / 1e9:.2f} GB per rank would")
+    return PlanInfeasible(f"lazyzero.plan.{key}: no plan fits {budget_of(capacity, settings) / 1e9:.2f} GB per rank "
+                          f"({capacity / 1e9:.2f} GB planned after memory_reserve {settings.memory_reserve:g}); "
+                          f"{advice}{shared}. The solver said: {error}", error.tiers)
+
+
+def budget_of(capacity: float, settings) -> float:
+    """The per-rank budget a user gives for a planning capacity (the budget less `memory_reserve`)."""
+    return capacity / (1 - settings.memory_reserve)
+
+
+def on_rank_zero(work, dist):
+    """`work()` on rank 0, its result broadcast to every rank; an exception there is raised on every
+    rank (as the same type where it can be rebuilt from its message), so that no rank waits forever
+    in a collective its peer left."""
+    from lazyzero.plan import PlanInfeasible
+
+    payload = [None]
+    if dist.get_rank() == 0:
+        try:
+            payload[0] = ("ok", work())
+        except Exception as error:  # noqa: BLE001 - every error must reach the other ranks
+            payload[0] = ("error", (type(error).__name__, str(error), getattr(error, "tiers", None)))
+            torch.distributed.broadcast_object_list(payload, src=0)
+            raise
+    torch.distributed.broadcast_object_list(payload, src=0)
+    status, value = payload[0]
+    if status == "ok":
+        return value
+    kind, message, tiers = value
+    if kind == PlanInfeasible.__name__:
+        raise PlanInfeasible(message, tiers)
+    raise RuntimeError(f"rank 0 failed: {kind}: {message}")
+
+
+def given_plan(problem: PlanProblem, path: str) -> Plan:
+    """The per-layer choices of the plan in `path`, with predictions made anew for this run's problem
+    (the file's were for the problem it was solved for); same layers, within every budget."""
+    from lazyzero.plan.simulate import check_within_budgets, evaluate_layers
+
+    try:
+        plan = Plan.from_json(Path(path).read_text())
+    except (OSError, ValueError, TypeError, KeyError) as error:
+        raise ValueError(f"lazyzero.plan.plan_path: {path} is not a readable plan.json ({error})") from None
+    if len(plan.layers) != problem.num_layers:
+        raise ValueError(f"lazyzero.plan.plan_path: {path} plans {len(plan.layers)} layers; this model has "
+                         f"{problem.num_layers} ({', '.join(c.name for c in problem.layers)})")
+    plan = evaluate_layers(problem, plan.layers, plan.source, plan.status)
+    check_within_budgets(problem, plan)
+    return plan
+
+
+def _base_config(ds_config: dict) -> dict:
+    """The user's config without the plan section: the implied config is validated as a plain one
+    (its activation and optimizer sections are the plan's, which an enabled plan section forbids)."""
+    base = copy.deepcopy(ds_config)
+    base.setdefault("lazyzero", {}).pop("plan", None)
+    return base
+
+
+def _absolute(path: str | None) -> str | None:
+    return None if path is None else str(Path(path).resolve())
+
+
+def _show(active: ActivePlan) -> None:
+    """Print the plan; with `plan.output_dir`, write plan.json, ds_config.json and memory.png there."""
+    from lazyzero.plan.report import plan_table, plot_memory
+
+    print(plan_table(active.problem, active.plan), end="", flush=True)
+    folder = active.lazyzero_config.plan.output_dir
+    if folder is None:
+        return
+    out = Path(folder)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "plan.json").write_text(active.plan.to_json())
+    (out / "ds_config.json").write_text(json.dumps(active.setup.ds_config, indent=2) + "\n")
+    plot_memory(active.problem, active.plan, out / "memory.png")
+    print(f"lazyzero plan: wrote {out / 'plan.json'}, {out / 'ds_config.json'}, {out / 'memory.png'}")
+
+
+def planned_zero_placement(engine):
+    """Around ZeRO-3's construction: only the planned layers' optimizer states and parameters go to NVMe."""
+    from contextlib import nullcontext
+
+    placement = zero_placement_of(engine.active_plan, engine.module)
+    if placement is None:
+        return nullcontext()
+    from lazyzero.plan.zero_placement import zero_placement
+
+    return zero_placement(placement)
+
+
+def zero_placement_of(active: ActivePlan | None, model: torch.nn.Module):
+    """The ZeroPlacement of the plan's NVMe layers (None: nothing is offloaded to NVMe; an empty one
+    when DeepSpeed offloads to NVMe but the plan keeps every layer in memory)."""
+    zero = active.setup.ds_config.get("zero_optimization", {}) if active is not None else {}
+    if all(zero.get(name, {}).get("device") != "nvme" for name in ("offload_param", "offload_optimizer")):
+        return None
+    from lazyzero.plan.zero_placement import ZeroPlacement
+
+    params = active.setup.param_nvme_layers
+    return ZeroPlacement(optimizer_nvme=frozenset(layer_parameter_names(model, active.setup.optimizer_nvme_layers)),
+                         param_nvme=frozenset(layer_parameter_names(model, params)) if params else None)
+
+
+def layer_parameter_names(model: torch.nn.Module, layers: tuple[str, ...]) -> list[str]:
+    """Parameters of the problem's layers: a decoder layer's are under its module name; those of
+    `EMBED_AND_HEAD` are every parameter outside the decoder layers."""
+    from lazyzero.plan.costs import EMBED_AND_HEAD, decoder_layer_index
+
+    names = [name for name, _ in model.named_parameters()]
+    decoder = [n for n in names if decoder_layer_index(".".join(n.split(".")[:3])) is not None]
+    chosen = set()
+    for layer in layers:
+        if layer == EMBED_AND_HEAD:
+            chosen.update(set(names) - set(decoder))
+        else:
+            chosen.update(n for n in decoder if n.startswith(layer + "."))
+    return [n for n in names if n in chosen]

@@ -1,0 +1,177 @@
+"""Measured against predicted (issue 7, item 6): after a few optimizer steps the engine compares the
+step time and peak memory it measured with the plan's prediction, logs both, and plans again when
+they differ by more than `plan.replan_margin`.
+
+What is measured: the wall time between the ends of consecutive optimizer steps (forward, backward,
+step and whatever the training loop does in between, as a user sees it), median over
+`plan.measure_steps` steps after the first (which creates the optimizer state and warms caches); and
+the peak of the compute memory over those steps: the resident set's high-water mark on a machine
+without a GPU (reset after the first step), CUDA's max allocated bytes otherwise. Every rank measures;
+the slowest step time and largest peak over the ranks are compared, so all ranks decide alike.
+
+A new plan can change only what the running engine can change: the activation choices (width,
+recompute, offload per layer). Placements of parameters and optimizer state are fixed once DeepSpeed
+has partitioned them, so the new problem fixes them (`calibrate.calibrated_problem`).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+from lazyzero.plan.host_memory import peak_resident_bytes, reset_peak_resident
+
+# A run re-plans at most this often: each new plan is measured again, and a model that keeps missing
+# should be reported, not chased.
+MAX_REPLANS = 2
+
+
+@dataclass(frozen=True)
+class PlanCheck:
+    """One comparison of measured with predicted, and what was done about it."""
+
+    plan_index: int
+    predicted_step_s: float
+    measured_step_s: float
+    predicted_peak_bytes: float
+    measured_peak_bytes: float
+    replanned: bool
+
+    @property
+    def step_time_error(self) -> float:
+        return self.measured_step_s / self.predicted_step_s - 1
+
+    @property
+    def peak_error(self) -> float:
+        return self.measured_peak_bytes / self.predicted_peak_bytes - 1
+
+    def summary(self) -> str:
+        return (f"lazyzero plan {self.plan_index}: step time measured {self.measured_step_s:.3f} s vs predicted "
+                f"{self.predicted_step_s:.3f} s ({100 * self.step_time_error:+.1f}%), peak memory measured "
+                f"{self.measured_peak_bytes / 1e9:.3f} GB vs predicted {self.predicted_peak_bytes / 1e9:.3f} GB "
+                f"({100 * self.peak_error:+.1f}%){'; planning again' if self.replanned else ''}")
+
+    def as_record(self) -> dict:
+        return {**asdict(self), "step_time_error": self.step_time_error, "peak_error": self.peak_error}
+
+
+class PlanMonitor:
+    """Counts optimizer steps of a planned run and compares them with the active plan."""
+
+    def __init__(self, active_plan):
+        self.active = active_plan
+        self.settings = active_plan.lazyzero_config.plan
+        self.checks: list[PlanCheck] = []
+        self._step_ends: list[float] = []
+        self._plan_index = 0
+        self._reported: PlanCheck | None = None
+        self._no_plan_found = False
+        self.excess_over_budget: list[float | None] = []
+        """Per re-plan: how far over the compute-memory budget it had to plan (0.0: within; None: no
+        plan at all, the run went on with the one it had)."""
+
+    def after_optimizer_step(self, engine) -> None:
+        self._step_ends.append(time.perf_counter())
+        if len(self._step_ends) == 1:
+            _reset_peak()
+        if len(self._step_ends) < self.settings.measure_steps + 1:
+            return
+        check = self._compare(engine)
+        self._step_ends.clear()
+        self.checks.append(check)
+        if engine.global_rank == 0:
+            print(check.summary(), flush=True)
+        if check.replanned:
+            self._replan(engine, check)
+
+    def _compare(self, engine) -> PlanCheck:
+        durations = [b - a for a, b in zip(self._step_ends, self._step_ends[1:])]
+        measured = torch.tensor([statistics.median(durations), float(_peak())], dtype=torch.float64)
+        measured = measured.to(engine.device)
+        torch.distributed.all_reduce(measured, op=torch.distributed.ReduceOp.MAX)
+        step_s, peak = measured.tolist()
+        plan = self.active.plan
+        predicted_peak = plan.predicted_peak_bytes["gpu"]
+        off = max(abs(step_s / plan.predicted_step_s - 1), abs(peak / predicted_peak - 1))
+        replan = (self.settings.replan and off > self.settings.replan_margin and self._plan_index < MAX_REPLANS
+                  and not self._no_plan_found)
+        return PlanCheck(self._plan_index, plan.predicted_step_s, step_s, predicted_peak, peak, replan)
+
+    def _replan(self, engine, check: PlanCheck) -> None:
+        from lazyzero.plan import PlanInfeasible
+        from lazyzero.plan.calibrate import calibrated_problem
+        from lazyzero.plan.implied import implied_setup
+        from lazyzero.plan.engine_setup import solve_on_rank_zero
+
+        problem = calibrated_problem(self.active.problem, self.active.plan, check.measured_step_s,
+                                     check.measured_peak_bytes)
+        try:
+            plan, excess = solve_on_rank_zero(problem, self.settings, torch.distributed, least_excess=True)
+        except PlanInfeasible as error:
+            # Training goes on with the plan it has: stopping a run that works for a plan that
+            # cannot exist would lose the run. Every rank gets the same error, so all go on alike.
+            self._no_plan_found = True
+            self.excess_over_budget.append(None)
+            if engine.global_rank == 0:
+                print(f"lazyzero plan: WARNING: no new plan ({error}); training goes on with plan "
+                      f"{check.plan_index}, {check.measured_peak_bytes / 1e9:.2f} GB measured.", flush=True)
+            return
+        setup = implied_setup(problem, plan, base=self.active.setup.ds_config,
+                              nvme_path=self.settings.nvme_path)
+        engine.apply_activation_plan(setup.ds_config.get("lazyzero", {}).get("activations"))
+        self.active.problem, self.active.plan = problem, plan
+        self._plan_index += 1
+        if engine.global_rank == 0:
+            from lazyzero.plan.report import plan_table
+
+            print(plan_table(problem, plan), end="", flush=True)
+            if excess:
+                print(self._excess_note(problem, plan), flush=True)
+        self.excess_over_budget.append(excess)
+
+    def _excess_note(self, problem, plan) -> str:
+        """What planning beyond the planning budget means: into `memory_reserve` (a note), or
+        beyond the user's budget itself (a warning)."""
+        from lazyzero.plan.engine_setup import budget_of
+
+        budget = budget_of(problem.machine.tiers["gpu"].capacity_bytes, self.settings)
+        peak = plan.predicted_peak_bytes["gpu"]
+        if peak <= budget:
+            return (f"lazyzero plan {self._plan_index}: with the placements in force, no activation plan stays "
+                    f"out of memory_reserve; this one is predicted at {peak / 1e9:.2f} GB of the "
+                    f"{budget / 1e9:.2f} GB budget per rank.")
+        return (f"lazyzero plan {self._plan_index}: WARNING: with the parameter and optimizer-state placements in "
+                f"force, no activation plan keeps the measured memory within the budget; this one is predicted "
+                f"at {peak / 1e9:.2f} GB against {budget / 1e9:.2f} GB per rank. Restart with a larger "
+                f"lazyzero.plan.cpu_mem (gpu_mem on CUDA) or memory_reserve to plan the placements again.")
+
+    def step_metrics(self) -> dict:
+        """The newest comparison, once, in the step log (then nothing until the next one)."""
+        if not self.checks or self._reported is self.checks[-1]:
+            return {}
+        self._reported = self.checks[-1]
+        return {f"plan_{key}": value for key, value in self.checks[-1].as_record().items()}
+
+    def report(self) -> dict:
+        reserve = self.active.lazyzero_config.plan.memory_reserve
+        capacity = self.active.problem.machine.tiers["gpu"].capacity_bytes
+        return {"plan_checks": [check.as_record() for check in self.checks],
+                "replan_excess_over_budget": self.excess_over_budget,
+                # The per-rank compute-memory budget the run was planned under (after headroom_share).
+                "compute_budget_per_rank_bytes": round(capacity / (1 - reserve))}
+
+
+def _reset_peak() -> None:
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.reset_peak_memory_stats()
+    else:
+        reset_peak_resident()
+
+
+def _peak() -> int:
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return int(torch.cuda.max_memory_allocated())
+    return peak_resident_bytes()

@@ -1,0 +1,512 @@
+"""The memory planner's problem and its answer (issue 7).
+
+A training step is cut into 2L + 1 windows: the forward of layers 0..L-1 (windows 0..L-1), the
+backward of layers L-1..0 (windows L..2L-1), and one optimizer window (2L). Each window lasts as long
+as its compute; copies run beside the compute on the machine's paths (d2h, h2d, nvme_write,
+nvme_read), and a window is stretched when a path needs longer than the compute ("exposed" time).
+
+Per layer a plan chooses how its saved activations survive until backward (kept at 16/8/4 bits on a
+tier, or recomputed from the layer's input), where its 16-bit parameters and its optimizer state live,
+and whether that state is 8-bit. This module holds the problem, the plan, and the rules both the MILP
+(`milp.py`) and the step simulator (`simulate.py`) share: which windows data may move in, which paths
+a copy takes, what the optimizer costs. Memory accounting is deliberately NOT shared: the simulator
+walks the windows on its own so that it can catch errors in the MILP's capacity formulas.
+
+Simplifications, all deliberate (LazyTrain-style planning, not a hardware model):
+- Compute and every path run in parallel; one copy's two hops (d2h then nvme_write) share a window.
+- A non-GPU parameter is fetched in the window before each use (forward and backward of its layer;
+  for layer 0's forward that is the previous step's optimizer window: the step repeats).
+- Host bounce buffers for NVMe copies are not counted.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from typing import NamedTuple
+
+TIER_NAMES = ("gpu", "cpu", "nvme")
+PATH_NAMES = ("d2h", "h2d", "nvme_write", "nvme_read")
+BIT_WIDTHS = (16, 8, 4)
+PLAN_SOURCES = ("milp", "greedy", "fixed_rule", "deepspeed_default")
+
+
+class PlanInfeasible(ValueError):
+    """No plan fits the budgets; `tiers` names the binding one(s)."""
+
+    def __init__(self, message: str, tiers: tuple[str, ...]):
+        super().__init__(message)
+        self.tiers = tuple(tiers)
+
+
+def _require(condition: bool, field_name: str, message: str) -> None:
+    if not condition:
+        raise ValueError(f"{field_name}: {message}")
+
+
+def _require_nonnegative(owner: object, names: tuple[str, ...]) -> None:
+    for name in names:
+        value = getattr(owner, name)
+        _require(isinstance(value, (int, float)) and value >= 0, name, f"must be a number >= 0, got {value!r}")
+
+
+@dataclass(frozen=True)
+class LayerCosts:
+    """What one layer costs: compute seconds on the device, and bytes.
+
+    act_bytes[bits]: activations the layer saves for backward when stored at that width.
+    input_bytes: what a recomputed layer keeps instead (its input).
+    optim_state_bytes_fp32 / _8bit: whatever the caller counts (moments, master weights).
+    quality_cost[bits]: penalty per step, in seconds-equivalent, for storing at that width (16 -> 0).
+    pack_fwd_s[bits] / pack_bwd_s[bits]: seconds that storing at that width adds to the layer's
+    forward (quantizing) and backward (restoring); 0 for 16 bits unless measured otherwise.
+    recompute_s: seconds a recompute adds to the backward (None: the forward's fwd_s).
+    offload_fwd_s[bits] / offload_bwd_s[bits]: seconds that moving the stored activations off the
+    device at that width costs the forward / backward besides the copies' own time on their paths
+    (the work of moving them: on a machine without a GPU it competes with compute).
+    stage_bytes_fp32 / _8bit: host bytes the NVMe optimizer swapper stages to step this layer's state
+    (None: the state's own bytes).
+    """
+
+    name: str
+    fwd_s: float
+    bwd_s: float
+    act_bytes: dict[int, int]
+    input_bytes: int
+    param_bytes: int
+    grad_bytes: int
+    optim_state_bytes_fp32: int
+    optim_state_bytes_8bit: int
+    quality_cost: dict[int, float]
+    pack_fwd_s: dict[int, float] = field(default_factory=lambda: dict.fromkeys(BIT_WIDTHS, 0.0))
+    pack_bwd_s: dict[int, float] = field(default_factory=lambda: dict.fromkeys(BIT_WIDTHS, 0.0))
+    recompute_s: float | None = None
+    offload_fwd_s: dict[int, float] = field(default_factory=lambda: dict.fromkeys(BIT_WIDTHS, 0.0))
+    offload_bwd_s: dict[int, float] = field(default_factory=lambda: dict.fromkeys(BIT_WIDTHS, 0.0))
+    stage_bytes_fp32: int | None = None
+    stage_bytes_8bit: int | None = None
+
+    def __post_init__(self):
+        _require(bool(self.name), "name", "must be a non-empty string")
+        _require_nonnegative(self, ("fwd_s", "bwd_s", "input_bytes", "param_bytes", "grad_bytes",
+                                    "optim_state_bytes_fp32", "optim_state_bytes_8bit"))
+        _require(self.recompute_s is None or self.recompute_s >= 0, "recompute_s",
+                 f"must be None or a number >= 0, got {self.recompute_s!r}")
+        for field_name in ("act_bytes", "quality_cost", "pack_fwd_s", "pack_bwd_s", "offload_fwd_s", "offload_bwd_s"):
+            table = getattr(self, field_name)
+            _require(set(table) == set(BIT_WIDTHS), field_name, f"needs exactly the keys {BIT_WIDTHS}")
+            _require(all(v >= 0 for v in table.values()), field_name, "values must be >= 0")
+        _require(self.quality_cost[16] == 0, "quality_cost", "16 bits is the reference: its cost must be 0")
+
+    def state_bytes(self, eight_bit: bool) -> int:
+        return self.optim_state_bytes_8bit if eight_bit else self.optim_state_bytes_fp32
+
+    def stage_bytes(self, eight_bit: bool) -> int:
+        staged = self.stage_bytes_8bit if eight_bit else self.stage_bytes_fp32
+        return self.state_bytes(eight_bit) if staged is None else staged
+
+    @property
+    def recompute_seconds(self) -> float:
+        return self.fwd_s if self.recompute_s is None else self.recompute_s
+
+    def window_seconds(self, act: ActChoice) -> tuple[float, float]:
+        """(forward, backward) seconds of this layer with activation choice `act`: compute, packing,
+        the work of offloading, or the recompute."""
+        if act.mode == "recompute":
+            return self.fwd_s, self.bwd_s + self.recompute_seconds
+        offloaded = act.tier != "gpu"
+        return (self.fwd_s + self.pack_fwd_s[act.bits] + (self.offload_fwd_s[act.bits] if offloaded else 0.0),
+                self.bwd_s + self.pack_bwd_s[act.bits] + (self.offload_bwd_s[act.bits] if offloaded else 0.0))
+
+
+@dataclass(frozen=True)
+class Tier:
+    name: str
+    capacity_bytes: int
+
+    def __post_init__(self):
+        _require(self.name in TIER_NAMES, "name", f"got {self.name!r}; allowed: {TIER_NAMES}")
+        _require_nonnegative(self, ("capacity_bytes",))
+
+
+@dataclass(frozen=True)
+class Path:
+    name: str
+    bytes_per_s: float
+
+    def __post_init__(self):
+        _require(self.name in PATH_NAMES, "name", f"got {self.name!r}; allowed: {PATH_NAMES}")
+        _require(self.bytes_per_s > 0, "bytes_per_s", f"must be > 0, got {self.bytes_per_s!r}")
+
+
+@dataclass(frozen=True)
+class Machine:
+    """Memory tiers, copy paths and optimizer speeds.
+
+    "gpu" is always the compute memory. A CPU-only machine is {"gpu" (host memory under the training
+    budget), "nvme"}: then NVMe copies go straight to and from the compute memory, the optimizer runs
+    there, and there are no d2h/h2d paths.
+
+    Optimizer seconds per byte of state: `gpu_*` for states on the compute memory, `cpu_*` for
+    offloaded states (DeepSpeed steps them with its CPU optimizer, also on a CPU-only machine where
+    an NVMe-offloaded state is stepped in host memory); `*_adam8_*` for 8-bit states (None: the fp32
+    rate).
+    """
+
+    tiers: dict[str, Tier]
+    paths: dict[str, Path]
+    cpu_adam_s_per_byte: float
+    gpu_adam_s_per_byte: float
+    cpu_adam8_s_per_byte: float | None = None
+    gpu_adam8_s_per_byte: float | None = None
+    nvme_swaps_block: bool = False
+    """DeepSpeed's NVMe swaps of parameters and optimizer state wait for their reads and writes (its
+    parameter prefetch is off, DEEPSPEED_NOTES.md; lazyzero's 8-bit states use the non-pipelined
+    swapper): their seconds add to the window's time instead of overlapping its compute."""
+    nvme_state_takes_grads: bool = False
+    """Without a host tier, a layer whose optimizer state is on NVMe has its gradients written there
+    after its backward and read back for the step (DeepSpeed's NVMe optimizer swapper)."""
+
+    def __post_init__(self):
+        _require("gpu" in self.tiers, "tiers", "needs a 'gpu' tier (the compute memory)")
+        for key, tier in self.tiers.items():
+            _require(key == tier.name, "tiers", f"key {key!r} holds the tier named {tier.name!r}")
+        for key, path in self.paths.items():
+            _require(key == path.name, "paths", f"key {key!r} holds the path named {path.name!r}")
+        needed = set()
+        for tier in self.tiers:
+            if tier != "gpu":
+                needed.update(self.route_down(tier) + self.route_up(tier))
+        missing = sorted(needed - set(self.paths))
+        _require(not missing, "paths", f"the tiers {sorted(self.tiers)} need the paths {missing}")
+        _require_nonnegative(self, ("cpu_adam_s_per_byte", "gpu_adam_s_per_byte"))
+        for name in ("cpu_adam8_s_per_byte", "gpu_adam8_s_per_byte"):
+            _require(getattr(self, name) is None or getattr(self, name) >= 0, name, "must be None or a number >= 0")
+
+    @property
+    def has_host(self) -> bool:
+        return "cpu" in self.tiers
+
+    def route_down(self, tier: str) -> tuple[str, ...]:
+        """Paths a copy from the compute memory to `tier` loads (NVMe goes through host memory)."""
+        if tier == "cpu":
+            return ("d2h",)
+        return ("d2h", "nvme_write") if self.has_host else ("nvme_write",)
+
+    def route_up(self, tier: str) -> tuple[str, ...]:
+        if tier == "cpu":
+            return ("h2d",)
+        return ("nvme_read", "h2d") if self.has_host else ("nvme_read",)
+
+    def optimizer_on_host(self, state_tier: str) -> bool:
+        """Optimizer state off the device is stepped by the CPU (ZeRO-Offload), if there is a host."""
+        return state_tier != "gpu" and self.has_host
+
+    def grads_leave_device(self, state_tier: str) -> bool:
+        """Whether a layer's gradients leave the compute memory after its backward: to the host for a
+        host optimizer, or to NVMe with the state (`nvme_state_takes_grads`)."""
+        return self.optimizer_on_host(state_tier) or (self.nvme_state_takes_grads and state_tier == "nvme")
+
+    def adam_s_per_byte(self, state_tier: str, eight_bit: bool) -> float:
+        offloaded = state_tier != "gpu"
+        rate = (self.cpu_adam8_s_per_byte if offloaded else self.gpu_adam8_s_per_byte) if eight_bit else None
+        if rate is not None:
+            return rate
+        return self.cpu_adam_s_per_byte if offloaded else self.gpu_adam_s_per_byte
+
+
+@dataclass(frozen=True)
+class PlanProblem:
+    layers: tuple[LayerCosts, ...]
+    machine: Machine
+    workspace_bytes: int
+    checkpoint_bytes_per_step: int = 0
+    allowed_bits: tuple[int, ...] = BIT_WIDTHS
+    allow_recompute: bool = True
+    allow_8bit_optimizer: bool = True
+    # DeepSpeed offloads all parameters (all optimizer states) of a model or none: with this rule each
+    # kind is either on the compute device in every layer or off it in every layer; which off-device
+    # tier is each layer's choice (lazyzero places NVMe per layer, lazyzero/plan/zero_placement.py).
+    # Set where there is a host tier beside the device; without one, "off the device" is NVMe alone.
+    offload_all_or_none: bool = False
+    # Tiers parameters may live on (None: every tier), e.g. not NVMe for an fp32 model on a machine
+    # without a GPU, where DeepSpeed 0.19.8's NVMe parameter swapper fails (DEEPSPEED_NOTES.md).
+    param_tiers: tuple[str, ...] | None = None
+    # Per layer, the Placement (param tier, state tier, 8-bit) a running engine cannot change any
+    # more, or None where the planner is free; re-planning fixes all of them (calibrate.py).
+    fixed_placements: tuple | None = None
+    # Bytes held whenever any layer's parameters are on NVMe (DeepSpeed's parameter swapper: its
+    # buffer pool and partitioned swap buffer, swap_buffers.py), in host memory: the "cpu" tier where
+    # there is one, else the compute memory.
+    param_swap_bytes: int = 0
+    # How the compute-memory capacity was placed when the user gave `plan.headroom_share`
+    # (calibrate.HeadroomBudget: the share, the least capacity with a plan, the all-in-memory peak).
+    headroom: object | None = None
+
+    def __post_init__(self):
+        object.__setattr__(self, "layers", tuple(self.layers))
+        object.__setattr__(self, "allowed_bits", tuple(self.allowed_bits))
+        _require(len(self.layers) > 0, "layers", "needs at least one layer")
+        names = [layer.name for layer in self.layers]
+        _require(len(set(names)) == len(names), "layers", "layer names must be unique")
+        _require_nonnegative(self, ("workspace_bytes", "checkpoint_bytes_per_step", "param_swap_bytes"))
+        _require(bool(self.allowed_bits) and set(self.allowed_bits) <= set(BIT_WIDTHS), "allowed_bits",
+                 f"must be a non-empty subset of {BIT_WIDTHS}, got {self.allowed_bits!r}")
+        if self.param_tiers is not None:
+            object.__setattr__(self, "param_tiers", tuple(self.param_tiers))
+            _require(bool(self.param_tiers) and set(self.param_tiers) <= set(self.machine.tiers), "param_tiers",
+                     f"must be a non-empty subset of the machine's tiers {sorted(self.machine.tiers)}, got {self.param_tiers!r}")
+        if self.fixed_placements is not None:
+            object.__setattr__(self, "fixed_placements", tuple(self.fixed_placements))
+            _require(len(self.fixed_placements) == len(self.layers), "fixed_placements",
+                     f"needs one entry (a placement or None) per layer, got {len(self.fixed_placements)}")
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def num_windows(self) -> int:
+        return 2 * self.num_layers + 1
+
+    def forward_window(self, layer: int) -> int:
+        return layer
+
+    def backward_window(self, layer: int) -> int:
+        return 2 * self.num_layers - 1 - layer
+
+    @property
+    def optimizer_window(self) -> int:
+        return 2 * self.num_layers
+
+    def activation_write_windows(self, layer: int) -> range:
+        """Windows an offloaded activation may be copied out in: its forward until the last forward."""
+        return range(layer, self.num_layers)
+
+    def activation_read_windows(self, layer: int) -> range:
+        """Windows it may come back in: backward windows of later layers, before its own backward.
+        Empty for the last layer, which therefore never offloads."""
+        return range(self.num_layers, self.backward_window(layer))
+
+    def param_swap_tier(self) -> str:
+        return "cpu" if self.machine.has_host else "gpu"
+
+    def param_swap_held(self, layers) -> float:
+        """`param_swap_bytes` if any of the chosen layers has its parameters on NVMe, else 0."""
+        return self.param_swap_bytes if any(lp.param_tier == "nvme" for lp in layers) else 0
+
+    def checkpoint_route(self) -> tuple[str, ...]:
+        """Snapshot traffic goes to host memory, or to NVMe on a machine without one."""
+        return self.machine.route_down("cpu" if self.machine.has_host else "nvme")
+
+
+class ActChoice(NamedTuple):
+    mode: str  # "keep" or "recompute"
+    bits: int
+    tier: str
+
+
+class Placement(NamedTuple):
+    param_tier: str
+    state_tier: str
+    state_8bit: bool
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    """One layer's choices. A recomputed layer keeps its input on the device: act_bits 16, act_tier gpu."""
+
+    act_mode: str
+    act_bits: int
+    act_tier: str
+    param_tier: str
+    state_tier: str
+    state_8bit: bool
+
+    def __post_init__(self):
+        _require(self.act_mode in ("keep", "recompute"), "act_mode", f"got {self.act_mode!r}")
+        _require(self.act_bits in BIT_WIDTHS, "act_bits", f"got {self.act_bits!r}; allowed {BIT_WIDTHS}")
+        for name in ("act_tier", "param_tier", "state_tier"):
+            _require(getattr(self, name) in TIER_NAMES, name, f"got {getattr(self, name)!r}")
+        if self.act_mode == "recompute":
+            _require(self.act_bits == 16 and self.act_tier == "gpu", "act_mode",
+                     "a recomputed layer has act_bits 16 and act_tier 'gpu'")
+
+    @classmethod
+    def of(cls, act: ActChoice, placement: Placement) -> LayerPlan:
+        return cls(act.mode, act.bits, act.tier, *placement)
+
+    @property
+    def act(self) -> ActChoice:
+        return ActChoice(self.act_mode, self.act_bits, self.act_tier)
+
+    @property
+    def placement(self) -> Placement:
+        return Placement(self.param_tier, self.state_tier, self.state_8bit)
+
+    @property
+    def offloaded(self) -> bool:
+        return self.act_mode == "keep" and self.act_tier != "gpu"
+
+
+RECOMPUTE = ActChoice("recompute", 16, "gpu")
+
+
+def activation_options(problem: PlanProblem, layer: int) -> list[ActChoice]:
+    """Every allowed way to carry layer `layer`'s activations to its backward."""
+    tiers = [t for t in problem.machine.tiers if t == "gpu" or problem.activation_read_windows(layer)]
+    options = [ActChoice("keep", bits, tier) for tier in tiers for bits in problem.allowed_bits]
+    return options + ([RECOMPUTE] if problem.allow_recompute else [])
+
+
+def placement_options(problem: PlanProblem, layer: int) -> list[Placement]:
+    """Every allowed parameter tier x state tier (only the fixed one where `fixed_placements` names
+    it); the state 8-bit when allowed and no larger than fp32 and, on that tier, no slower to step
+    (the fp32 state is then dominated: more bytes to hold, move and step, at no gain in this model),
+    both precisions when 8-bit is smaller but slower."""
+    if problem.fixed_placements is not None and problem.fixed_placements[layer] is not None:
+        return [Placement(*problem.fixed_placements[layer])]
+    tiers = list(problem.machine.tiers)
+    params = [t for t in tiers if problem.param_tiers is None or t in problem.param_tiers]
+    return [Placement(p, s, eight_bit) for p in params for s in tiers for eight_bit in _state_precisions(problem, layer, s)]
+
+
+def _state_precisions(problem: PlanProblem, layer: int, state_tier: str) -> tuple[bool, ...]:
+    costs, machine = problem.layers[layer], problem.machine
+    if not problem.allow_8bit_optimizer or costs.optim_state_bytes_8bit > costs.optim_state_bytes_fp32:
+        return (False,)
+    if optimizer_seconds(machine, costs, state_tier, True) <= optimizer_seconds(machine, costs, state_tier, False):
+        return (True,)
+    return (True, False)
+
+
+def optimizer_seconds(machine: Machine, costs: LayerCosts, state_tier: str, eight_bit: bool) -> float:
+    return machine.adam_s_per_byte(state_tier, eight_bit) * costs.state_bytes(eight_bit)
+
+
+class Traffic(NamedTuple):
+    window: int
+    path: str
+    bytes: float
+
+
+def placement_traffic(problem: PlanProblem, layer: int, placement: Placement) -> list[Traffic]:
+    """Copies a layer's parameter/state placement causes each step, at fixed windows."""
+    machine, costs = problem.machine, problem.layers[layer]
+    traffic = []
+    if placement.param_tier != "gpu":
+        for use in (problem.forward_window(layer), problem.backward_window(layer)):
+            window = (use - 1) % problem.num_windows
+            traffic += [Traffic(window, p, costs.param_bytes) for p in machine.route_up(placement.param_tier)]
+    on_host = machine.optimizer_on_host(placement.state_tier)
+    opt = problem.optimizer_window
+    if on_host:  # gradients leave in the window after the layer's backward (ZeRO-Offload)
+        traffic.append(Traffic(problem.backward_window(layer) + 1, "d2h", costs.grad_bytes))
+    if placement.state_tier == "nvme":
+        state = costs.state_bytes(placement.state_8bit)
+        traffic += [Traffic(opt, "nvme_read", state), Traffic(opt, "nvme_write", state)]
+        if machine.grads_leave_device("nvme") and not on_host:
+            traffic += [Traffic(problem.backward_window(layer) + 1, "nvme_write", costs.grad_bytes),
+                        Traffic(opt, "nvme_read", costs.grad_bytes)]
+    # The updated 16-bit parameters are produced where the optimizer runs and go home.
+    if on_host and placement.param_tier == "gpu":
+        traffic.append(Traffic(opt, "h2d", costs.param_bytes))
+    elif on_host and placement.param_tier == "nvme":
+        traffic.append(Traffic(opt, "nvme_write", costs.param_bytes))
+    elif not on_host and placement.param_tier != "gpu":
+        traffic += [Traffic(opt, p, costs.param_bytes) for p in machine.route_down(placement.param_tier)]
+    return traffic
+
+
+PLACED_KINDS = {"param": "param_tier", "state": "state_tier"}
+
+
+def check_offload_all_or_none(problem: PlanProblem, layers) -> None:
+    """Raise ValueError if, under offload_all_or_none, some layers keep a kind on the device and others not."""
+    if not problem.offload_all_or_none:
+        return
+    for kind, attribute in PLACED_KINDS.items():
+        on_device = [i for i, lp in enumerate(layers) if getattr(lp, attribute) == "gpu"]
+        if 0 < len(on_device) < len(layers):
+            raise ValueError(f"offload_all_or_none: layers {on_device} keep their {kind} tensors on the device and "
+                             "the others do not; DeepSpeed offloads all of them or none")
+
+
+def blocking_seconds(problem: PlanProblem, traffic: Traffic) -> float:
+    """Seconds a placement copy adds to its window's time (0 where copies overlap compute)."""
+    if problem.machine.nvme_swaps_block and traffic.path.startswith("nvme"):
+        return traffic.bytes / problem.machine.paths[traffic.path].bytes_per_s
+    return 0.0
+
+
+def optimizer_step_s(problem: PlanProblem, layer: int, placement: Placement) -> float:
+    rate = problem.machine.adam_s_per_byte(placement.state_tier, placement.state_8bit)
+    return rate * problem.layers[layer].state_bytes(placement.state_8bit)
+
+
+def quality_cost(problem: PlanProblem, layers: tuple[LayerPlan, ...]) -> float:
+    return sum(costs.quality_cost[lp.act_bits] for costs, lp in zip(problem.layers, layers) if lp.act_mode == "keep")
+
+
+@dataclass(frozen=True)
+class ActTransfer:
+    """`bytes` of layer `layer`'s activations moved "down" (to its tier) or "up" in `window`."""
+
+    layer: int
+    direction: str
+    window: int
+    bytes: float
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A plan and its predictions. checkpoint_transfers[w]: snapshot bytes copied in window w."""
+
+    layers: tuple[LayerPlan, ...]
+    act_transfers: tuple[ActTransfer, ...]
+    checkpoint_transfers: tuple[float, ...]
+    predicted_step_s: float
+    predicted_peak_bytes: dict[str, float]
+    objective: float
+    source: str
+    status: str
+    gap: float = 0.0
+    solve_s: float = 0.0
+
+    def __post_init__(self):
+        _require(self.source in PLAN_SOURCES, "source", f"got {self.source!r}; allowed {PLAN_SOURCES}")
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> Plan:
+        data = json.loads(text)
+        data["layers"] = tuple(LayerPlan(**lp) for lp in data["layers"])
+        data["act_transfers"] = tuple(ActTransfer(**t) for t in data["act_transfers"])
+        data["checkpoint_transfers"] = tuple(data["checkpoint_transfers"])
+        return cls(**data)
+
+
+def _shortfall(need: int, capacity: int) -> str:
+    return (f"{need / 1e9:.2f} GB ({need} bytes), capacity {capacity / 1e9:.2f} GB: "
+            f"short by {(need - capacity) / 1e9:.2f} GB")
+
+
+def budget_shortfalls(problem: PlanProblem) -> PlanInfeasible:
+    """Explain why no plan exists, from lower bounds on what each tier must hold."""
+    machine, layers = problem.machine, problem.layers
+    device_floor = problem.workspace_bytes + max(c.grad_bytes for c in layers)
+    gpu_cap = machine.tiers["gpu"].capacity_bytes
+    if device_floor > gpu_cap:
+        return PlanInfeasible(f"gpu budget too small: the workspace and one layer's gradients need "
+                              f"{_shortfall(device_floor, gpu_cap)}", ("gpu",))
+    smallest_state = [c.state_bytes(problem.allow_8bit_optimizer) for c in layers]
+    total_floor = (problem.workspace_bytes + sum(c.param_bytes + c.grad_bytes for c in layers)
+                   + sum(smallest_state))
+    total_cap = sum(t.capacity_bytes for t in machine.tiers.values())
+    if total_floor > total_cap:
+        return PlanInfeasible(f"all tiers together too small: parameters, gradients, smallest optimizer "
+                              f"states and workspace need {_shortfall(total_floor, total_cap)}", tuple(machine.tiers))
+    return PlanInfeasible(f"the budgets of {sorted(machine.tiers)} together admit no plan "
+                          "(no single tier's lower bound is exceeded)", tuple(machine.tiers))

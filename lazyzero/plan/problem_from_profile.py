@@ -1,0 +1,340 @@
+"""The planning problem of one ZeRO-3 rank, from a measured profile (issue 7).
+
+`problem_from_profile` turns a `ModelProfile` (what one rank measured for one micro-batch) and the
+budgets into a `PlanProblem`, in the bytes and seconds of one rank of a `world_size`-rank ZeRO-3 job:
+- parameters, gradients and optimizer states are the rank's partitions (1/world_size of each tensor,
+  rounded up); 16-bit parameters and gradients in the model's dtype; Adam's fp32 master weights are
+  counted only under mixed precision (an fp32 model's parameters are its master weights);
+- a layer's forward is its measured compute plus one all-gather of its parameters, its backward the
+  measured backward plus another all-gather (parameters are released after each use) and the
+  reduce-scatter of its gradients (measured collectives, linear in bytes);
+- activations, recompute and packing costs are the measured ones;
+- the optimizer's speed per state byte is the measured step of the optimizer that will run: lazyzero's
+  8-bit step where states are 8-bit, DeepSpeed's CPU Adam under optimizer offload, torch's AdamW on
+  the device;
+- the workspace is what the rank holds whatever the plan: the process itself (measured resident set
+  less the model it held when profiled), two layers of gathered parameters, the embedding and head's
+  gathered parameters and saved tensors, a layer's temporaries, one reduce bucket, the optimizer's
+  fp32 gradient copy of one sub-group and, when the optimizer is swapped to NVMe, the swapper's
+  buffers (swap_buffers.py); the parameter swapper's buffers are `PlanProblem.param_swap_bytes`,
+  held only by plans that put parameters on NVMe.
+Tiers: on a machine without a GPU, "gpu" is the rank's share of the host memory budget (the memory
+training computes in) and "nvme" its share of the NVMe folder's free space; on CUDA, "gpu" is the
+device budget, "cpu" the rank's share of host memory.
+"""
+
+from __future__ import annotations
+
+import math
+import shutil
+from dataclasses import dataclass, replace
+
+from lazyzero.config.memory import parse_memory_size
+from lazyzero.plan.costs import EMBED_AND_HEAD, FP32_BYTES, optimizer_state_bytes
+from lazyzero.plan.implied import OPTIMIZER_SWAP_BUFFERS, PARAM_SWAP_BUFFERS_PER_TENSOR, ModelSizes
+from lazyzero.plan.problem import BIT_WIDTHS, LayerCosts, Machine, Path, PlanProblem, Tier
+from lazyzero.plan.profile.data import LayerProfile, ModelProfile
+from lazyzero.plan.swap_buffers import largest_sub_group_bound, optimizer_swap_bytes, parameter_swap_bytes
+
+# Quality penalty of a reduced width, in seconds-equivalent per second of the layer's forward: small
+# enough that a width is lowered whenever that saves time or makes a plan fit, large enough that
+# 16 bits wins a tie and 8 bits beats 4 (the same choice as costs.QUALITY_COST_PER_FWD_S).
+QUALITY_COST_PER_FWD_S = {16: 0.0, 8: 1e-4, 4: 2e-3}
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+@dataclass(frozen=True)
+class Budgets:
+    """Per-node budgets in bytes (None: the machine's own), split evenly among `local_ranks`;
+    `reserve`: the share of the compute memory's budget that plans leave free."""
+
+    cpu_mem: int | None
+    gpu_mem: int | None
+    nvme_path: str | None
+    local_ranks: int
+    reserve: float = 0.0
+
+
+@dataclass(frozen=True)
+class RankShape:
+    """How the profiled model is trained: ranks, parameter dtype, mixed precision, DeepSpeed buckets."""
+
+    world_size: int
+    dtype: str
+    mixed_precision: bool
+    eight_bit_allowed: bool
+
+
+def problem_from_profile(profile: ModelProfile, budgets: Budgets, shape: RankShape, *,
+                         allowed_bits=BIT_WIDTHS, allow_recompute: bool = True,
+                         process_bytes: int | None = None, feature_bytes: int = 0) -> tuple[PlanProblem, ModelSizes]:
+    """The problem, corrected by the profile's engine calibration when it has one (calibrate.py).
+    `feature_bytes`: what the run's other lazyzero features hold whatever the plan
+    (`feature_workspace_bytes`), added to the workspace.
+
+    `process_bytes`: what the rank holds besides the model and the engine, measured just before the
+    engine is built (the profile's leftovers and the training loop's data included); None: from the
+    profile's own snapshot at its start."""
+    from lazyzero.plan.calibrate import engine_calibrated
+
+    machine = _machine(profile, budgets, shape)
+    offloaded_grads = machine.nvme_state_takes_grads
+    layers = tuple(_layer_costs(profile, row, shape, offloaded_grads) for row in profile.layers)
+    if process_bytes is None:
+        process_bytes = max(0, profile.memory.rss_bytes - profile.memory.param_bytes)
+    workspace = process_bytes + _engine_workspace_bytes(profile, shape, offloaded_grads) + feature_bytes
+    swappers = _swapper_bytes(profile, shape)
+    if offloaded_grads:
+        # The optimizer is always swapped to NVMe here (implied.py): its buffers are there all along,
+        # not only while a layer's state is stepped (so `_layer_costs` stages nothing per layer).
+        workspace += swappers["optimizer"]
+    problem = PlanProblem(layers, machine, workspace, allowed_bits=tuple(allowed_bits),
+                          allow_recompute=allow_recompute, allow_8bit_optimizer=shape.eight_bit_allowed,
+                          param_tiers=_parameter_tiers(machine, shape), offload_all_or_none=machine.has_host,
+                          param_swap_bytes=swappers["parameters"] if "nvme" in machine.tiers else 0)
+    if profile.engine is not None:
+        problem = engine_calibrated(problem, profile, process_bytes)
+    return problem, model_sizes(profile, shape.world_size)
+
+
+def _parameter_tiers(machine: Machine, shape: RankShape) -> tuple[str, ...] | None:
+    """DeepSpeed 0.19.8 cannot swap fp32 parameters to NVMe on its CPU accelerator (it builds the
+    swapper for bf16: "Float and BFloat16", DEEPSPEED_NOTES.md), so an fp32 model there keeps them."""
+    if "nvme" in machine.tiers and not machine.has_host and shape.dtype == "float32":
+        return tuple(t for t in machine.tiers if t != "nvme")
+    return None
+
+
+def _swapper_bytes(profile: ModelProfile, shape: RankShape) -> dict[str, int]:
+    """Host bytes of DeepSpeed's NVMe optimizer and parameter swappers under the ZeRO-3 settings
+    implied.py writes (swap_buffers.py), for the aio default of one thread per request."""
+    sizes = model_sizes(profile, shape.world_size)
+    largest_tensor = math.ceil(sizes.largest_tensor_numel / shape.world_size)
+    total = sum(_partition_numel(row, shape.world_size) for row in profile.layers)
+    group = largest_sub_group_bound(math.ceil(sizes.largest_layer_numel / shape.world_size), largest_tensor, total)
+    return {"optimizer": optimizer_swap_bytes(group, OPTIMIZER_SWAP_BUFFERS),
+            "parameters": parameter_swap_bytes(
+                buffer_count=PARAM_SWAP_BUFFERS_PER_TENSOR * sizes.tensors_per_layer,
+                buffer_size=largest_tensor, largest_group_numel=group,
+                world_size=shape.world_size, dtype_bytes=_DTYPE_BYTES[shape.dtype])}
+
+
+def model_sizes(profile: ModelProfile, world_size: int) -> ModelSizes:
+    decoder = [row for row in profile.layers if row.name != EMBED_AND_HEAD]
+    return ModelSizes(largest_layer_numel=max(row.param_numel for row in decoder),
+                      largest_tensor_numel=max(t.numel for row in profile.layers for t in row.tensors.values()),
+                      tensors_per_layer=max(len(row.tensors) for row in decoder), world_size=world_size)
+
+
+def _partition_numel(row: LayerProfile, world_size: int) -> int:
+    return sum(math.ceil(t.numel / world_size) for t in row.tensors.values())
+
+
+def _collective_s(profile: ModelProfile, name: str, full_bytes: float) -> float:
+    speed = profile.machine.collectives.get(name)
+    return 0.0 if speed is None else speed.s_per_byte * full_bytes
+
+
+def _layer_costs(profile: ModelProfile, row: LayerProfile, shape: RankShape, offloaded_grads: bool) -> LayerCosts:
+    """One layer's costs on one rank. `offloaded_grads`: the optimizer is offloaded (to NVMe, on a
+    machine without a GPU), so DeepSpeed keeps every gradient partition in fp32."""
+    dtype_bytes = _DTYPE_BYTES[shape.dtype]
+    partition = _partition_numel(row, shape.world_size)
+    full_bytes = row.param_numel * dtype_bytes
+    gather = _collective_s(profile, "all_gather", full_bytes)
+    scatter = _collective_s(profile, "reduce_scatter", full_bytes)
+    numels = {name: t.numel for name, t in row.tensors.items()}
+    master = FP32_BYTES if shape.mixed_precision else 0
+    decoder = row.name != EMBED_AND_HEAD
+    # The head saves what it saves at every width (its logits feed the loss in fp32) and cannot be
+    # recomputed by the runtime: a recompute that keeps as much as it saves is never chosen.
+    act = {bits: row.act_bytes[bits] if decoder else row.act_bytes[16] for bits in BIT_WIDTHS}
+    # What packing adds (0 at 16 bits, where the packer keeps tensors as saved, and for the head).
+    pack_fwd = {bits: max(0.0, row.packed_fwd_s[bits] - row.fwd_s) if decoder and bits != 16 else 0.0
+                for bits in BIT_WIDTHS}
+    pack_bwd = {bits: max(0.0, row.packed_bwd_s[bits] - row.bwd_s) if decoder and bits != 16 else 0.0
+                for bits in BIT_WIDTHS}
+    recompute = row.recompute_s if row.recompute_s is not None else row.fwd_s
+    stage = 0 if offloaded_grads else OPTIMIZER_SWAP_BUFFERS * partition * FP32_BYTES
+    offload_fwd, offload_bwd = _offload_work(row, act) if decoder else ({}, {})
+    return LayerCosts(
+        name=row.name, fwd_s=row.fwd_s + gather, bwd_s=row.bwd_s + gather + scatter,
+        act_bytes=act, input_bytes=row.input_bytes if decoder else act[16],
+        param_bytes=partition * dtype_bytes, grad_bytes=partition * (FP32_BYTES if offloaded_grads else dtype_bytes),
+        optim_state_bytes_fp32=optimizer_state_bytes(numels, False, master_bytes=master, world_size=shape.world_size),
+        optim_state_bytes_8bit=optimizer_state_bytes(numels, True, master_bytes=master, world_size=shape.world_size),
+        quality_cost={bits: QUALITY_COST_PER_FWD_S[bits] * row.fwd_s for bits in BIT_WIDTHS},
+        pack_fwd_s=pack_fwd, pack_bwd_s=pack_bwd, recompute_s=recompute,
+        **({"offload_fwd_s": offload_fwd, "offload_bwd_s": offload_bwd} if offload_fwd else {}),
+        # DeepSpeed's NVMe optimizer swapper stages its buffers of one fp32 partition each; where the
+        # optimizer is always swapped, its buffers are in the workspace instead.
+        stage_bytes_fp32=stage, stage_bytes_8bit=stage)
+
+
+def _offload_work(row: LayerProfile, act: dict[int, int]) -> tuple[dict, dict]:
+    """Seconds that offloading the stored activations adds, per width: what the profile measured at
+    16 bits beyond the packer alone, in proportion to the bytes moved at each width ({} when the
+    profile has no NVMe measurement)."""
+    if row.offloaded_fwd_s is None or row.offloaded_bwd_s is None or not act[16]:
+        return {}, {}
+    extra_fwd = max(0.0, row.offloaded_fwd_s - row.packed_fwd_s[16])
+    extra_bwd = max(0.0, row.offloaded_bwd_s - row.packed_bwd_s[16])
+    return ({bits: extra_fwd * act[bits] / act[16] for bits in BIT_WIDTHS},
+            {bits: extra_bwd * act[bits] / act[16] for bits in BIT_WIDTHS})
+
+
+def _engine_workspace_bytes(profile: ModelProfile, shape: RankShape, offloaded_grads: bool) -> int:
+    """What the engine holds whatever the plan: two layers of gathered parameters and the head's, a
+    layer's temporaries, one reduce bucket, the optimizer's fp32 gradient copy of one sub-group, the
+    tensors saved once per forward and, when the optimizer is offloaded, DeepSpeed's flat gradient
+    partition in the model's dtype (for every layer, beside the fp32 copies `grad_bytes` counts)."""
+    dtype_bytes = _DTYPE_BYTES[shape.dtype]
+    decoder = [row for row in profile.layers if row.name != EMBED_AND_HEAD]
+    head = profile.layer(EMBED_AND_HEAD)
+    largest = max(row.param_numel for row in decoder)
+    gathered = (2 * largest + head.param_numel) * dtype_bytes
+    transient = max((row.transient_fwd_bytes or 0, row.transient_bwd_bytes or 0) for row in profile.layers)
+    reduce_bucket = largest * dtype_bytes
+    fp32_grad_copy = math.ceil(largest / shape.world_size) * FP32_BYTES
+    shared = max(profile.shared_saved_bytes.values(), default=0)
+    flat_grads = sum(_partition_numel(row, shape.world_size) for row in profile.layers) * dtype_bytes
+    return round(gathered + max(transient) + reduce_bucket + fp32_grad_copy + shared
+                 + (flat_grads if offloaded_grads else 0))
+
+
+def _machine(profile: ModelProfile, budgets: Budgets, shape: RankShape) -> Machine:
+    measured = profile.machine
+    per_rank = max(1, budgets.local_ranks)
+    host = budgets.cpu_mem if budgets.cpu_mem is not None else measured.host_memory_bytes
+    tiers, paths = {}, {}
+    if measured.device_type == "cuda":
+        if budgets.gpu_mem is None:
+            raise ValueError("lazyzero.plan.gpu_mem: needed on CUDA (the device's memory is not in the profile)")
+        tiers["gpu"] = Tier("gpu", round(budgets.gpu_mem * (1 - budgets.reserve)))
+        tiers["cpu"] = Tier("cpu", host // per_rank)
+        for name in ("h2d", "d2h"):
+            paths[name] = Path(name, measured.bandwidths[name].bytes_per_s)
+    else:
+        tiers["gpu"] = Tier("gpu", round(host // per_rank * (1 - budgets.reserve)))
+    if budgets.nvme_path is not None:
+        if "nvme_write" not in measured.bandwidths:
+            raise ValueError(f"lazyzero.plan.nvme_path: the profile has no NVMe speeds "
+                             f"({measured.skipped.get('nvme', 'not measured')})")
+        tiers["nvme"] = Tier("nvme", shutil.disk_usage(budgets.nvme_path).free // per_rank)
+        for name in ("nvme_read", "nvme_write"):
+            paths[name] = Path(name, measured.bandwidths[name].bytes_per_s)
+    # DeepSpeed's NVMe swaps of parameters and optimizer states wait for their copies; without a
+    # GPU, the optimizer is always offloaded to NVMe when there is an NVMe tier (implied.py), which
+    # sends a swapped layer's gradients there too.
+    cpu_only_nvme = "nvme" in tiers and "cpu" not in tiers
+    return Machine(tiers, paths, **_optimizer_rates(profile, shape, cpu_only_nvme), nvme_swaps_block=True,
+                   nvme_state_takes_grads=cpu_only_nvme)
+
+
+def _optimizer_rates(profile: ModelProfile, shape: RankShape, always_offloaded: bool) -> dict:
+    """Seconds per state byte: fp32 states on the device are torch's AdamW, on the host (and, with
+    `always_offloaded`, everywhere) DeepSpeed's CPU Adam; 8-bit states lazyzero's fused step (on the
+    device where it was timed there)."""
+    speeds = profile.machine.optimizers
+    master = FP32_BYTES if shape.mixed_precision else 0
+
+    def per_byte(name: str, moment_bytes: float) -> float:
+        return speeds[name].s_per_param / (moment_bytes + master)
+
+    eight_bit_device = "lazyzero_adamw8bit_cuda" if "lazyzero_adamw8bit_cuda" in speeds else "lazyzero_adamw8bit"
+    host_fp32 = "deepspeed_cpu_adam" if "deepspeed_cpu_adam" in speeds else "torch_adamw"
+    rates = {"gpu_adam_s_per_byte": per_byte(host_fp32 if always_offloaded else "torch_adamw", 8),
+             "cpu_adam_s_per_byte": per_byte(host_fp32, 8)}
+    if "lazyzero_adamw8bit" in speeds:
+        rates["gpu_adam8_s_per_byte"] = per_byte(eight_bit_device, 2 + 8 / 256)
+        rates["cpu_adam8_s_per_byte"] = per_byte("lazyzero_adamw8bit", 2 + 8 / 256)
+    return rates
+
+
+def training_dtype(ds_config: dict):
+    """The parameter dtype DeepSpeed trains in under this config."""
+    import torch
+
+    for key, dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16)):
+        section = ds_config.get(key)
+        if isinstance(section, dict) and section.get("enabled", False) is True:
+            return dtype
+    return torch.float32
+
+
+def problem_for_config(profile: ModelProfile, ds_config: dict, settings, world_size: int,
+                       local_ranks: int, process_bytes: int | None = None,
+                       decide=lambda work: work()) -> tuple[PlanProblem, ModelSizes]:
+    """The problem a planned run with this DeepSpeed config and `plan` settings (a PlanConfig) solves.
+    With `plan.headroom_share`, its compute-memory capacity is placed from the problem itself
+    (`calibrate.headroom_budget`), by `decide(work)`: a planned run computes it on one rank and gives
+    every rank the same figure."""
+    dtype = training_dtype(ds_config)
+    shape = RankShape(world_size, str(dtype).removeprefix("torch."), str(dtype) != "torch.float32",
+                      settings.allow_8bit_optimizer)
+    budgets = Budgets(settings.cpu_mem, settings.gpu_mem, settings.nvme_path, local_ranks, settings.memory_reserve)
+    problem, sizes = problem_from_profile(profile, budgets, shape, allowed_bits=tuple(settings.allowed_bits),
+                                          allow_recompute=settings.allow_recompute, process_bytes=process_bytes,
+                                          feature_bytes=feature_workspace_bytes(profile, ds_config, shape))
+    problem = _with_checkpoint_traffic(problem, profile, ds_config, shape, settings.checkpoint_every)
+    share = getattr(settings, "headroom_share", None)
+    if share is None:
+        return problem, sizes
+    from lazyzero.plan.calibrate import headroom_budget, with_compute_capacity
+
+    budget = decide(lambda: headroom_budget(problem, share))
+    return replace(with_compute_capacity(problem, budget.capacity_bytes), headroom=budget), sizes
+
+
+def _with_checkpoint_traffic(problem: PlanProblem, profile: ModelProfile, ds_config: dict, shape: RankShape,
+                             every: int | None) -> PlanProblem:
+    """A lazy checkpoint every `every` steps copies its snapshot while training runs: per step, its
+    share of the snapshot bytes goes over the checkpoint's path (to host memory beside a GPU, else
+    to NVMe, where the files are written), in windows the MILP chooses beside the other transfers.
+    Without either path (no GPU, no NVMe tier) there is nothing to share: the copy is a memcpy in
+    the compute memory, its buffers counted in the workspace."""
+    snapshot = lazy_snapshot_bytes(profile, ds_config, shape)
+    if not every or not snapshot or not (problem.machine.has_host or "nvme" in problem.machine.tiers):
+        return problem
+    return replace(problem, checkpoint_bytes_per_step=math.ceil(snapshot / every))
+
+
+# The int8 exchange's scratch per element of a reduce bucket: packed fp32 rows, their restored fp32
+# copy and the fp32 reduced row, int8 codes sent and received (lazyzero/gradients/quantized_reduce_scatter.py).
+INT8_EXCHANGE_SCRATCH_BYTES_PER_ELEMENT = 3 * FP32_BYTES + 2
+
+
+def feature_workspace_bytes(profile: ModelProfile, ds_config: dict, shape: RankShape) -> int:
+    """Bytes the run's non-planned lazyzero features hold on every rank whatever the plan:
+    - the int8 gradient exchange's scratch for one bucket (one layer, implied.py) and, with error
+      feedback, its fp32 residuals, one per gradient element the rank sends (the whole gradient,
+      not a partition);
+    - lazy checkpoints' host snapshot buffers (kept from the first save on): the rank's partition of
+      the parameters and of fp32 Adam states and master weights (the larger of the two state
+      formats) and lazyzero's own state (the error-feedback residuals), or
+      `checkpoint.host_buffer_limit` when that is smaller."""
+    gradients = ((ds_config.get("lazyzero") or {}).get("gradients")) or {}
+    held = 0
+    if gradients.get("quantize", "none") == "int8":
+        held += INT8_EXCHANGE_SCRATCH_BYTES_PER_ELEMENT * model_sizes(profile, 1).largest_layer_numel
+        held += _residual_bytes(profile, ds_config)
+    return held + lazy_snapshot_bytes(profile, ds_config, shape)
+
+
+def _residual_bytes(profile: ModelProfile, ds_config: dict) -> int:
+    gradients = ((ds_config.get("lazyzero") or {}).get("gradients")) or {}
+    if gradients.get("quantize", "none") != "int8" or not gradients.get("error_feedback", False):
+        return 0
+    return FP32_BYTES * sum(row.param_numel for row in profile.layers)
+
+
+def lazy_snapshot_bytes(profile: ModelProfile, ds_config: dict, shape: RankShape) -> int:
+    """Host bytes of one lazy checkpoint's snapshot on a rank (0 without lazy checkpoints)."""
+    checkpoint = ((ds_config.get("lazyzero") or {}).get("checkpoint")) or {}
+    if checkpoint.get("mode", "deepspeed") != "lazy":
+        return 0
+    total = sum(row.param_numel for row in profile.layers)
+    per_element = _DTYPE_BYTES[shape.dtype] + 2 * FP32_BYTES + (FP32_BYTES if shape.mixed_precision else 0)
+    snapshot = math.ceil(total / shape.world_size) * per_element + _residual_bytes(profile, ds_config)
+    limit = checkpoint.get("host_buffer_limit")
+    return snapshot if limit is None else min(snapshot, parse_memory_size(limit))

@@ -1,0 +1,90 @@
+"""What `lazyzero plan` shows and writes (issue 7): the plan as a table, a plot of memory per tier
+over the step, and the baselines' predictions beside it (the DeepSpeed config a plan implies is
+`implied.py`'s)."""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path as FilePath
+
+from lazyzero.plan.baselines import deepspeed_default_plan, fixed_rule_plan
+from lazyzero.plan.greedy import greedy_plan
+from lazyzero.plan.problem import Plan, PlanInfeasible, PlanProblem
+from lazyzero.plan.simulate import BudgetExceeded, check_within_budgets, simulate, window_label
+
+GB = 1e9
+TABLE_WIDTH = 110
+# Layers between the activations LazyTrain's fixed rule keeps (its paper's default).
+FIXED_RULE_K = 4
+
+
+def plan_table(problem: PlanProblem, plan: Plan) -> str:
+    """The plan as text: one row per layer, then the predicted peak of each tier against its budget,
+    the step time and how the solver ended."""
+    from rich.console import Console
+    from rich.table import Table
+
+    layers = Table(title=f"{plan.source} plan, {problem.num_layers} layers")
+    for column in ("layer", "activations", "bits", "act tier", "params", "state", "state bits"):
+        layers.add_column(column)
+    for costs, lp in zip(problem.layers, plan.layers):
+        layers.add_row(costs.name, lp.act_mode, str(lp.act_bits), lp.act_tier, lp.param_tier, lp.state_tier,
+                       "8" if lp.state_8bit else "32")
+    tiers = Table(title="predicted peak memory per tier")
+    for column in ("tier", "peak GB", "budget GB", "used"):
+        tiers.add_column(column, justify="right")
+    for name, tier in problem.machine.tiers.items():
+        peak = plan.predicted_peak_bytes.get(name, 0.0)
+        tiers.add_row(name, f"{peak / GB:.2f}", f"{tier.capacity_bytes / GB:.2f}",
+                      f"{100 * peak / tier.capacity_bytes:.1f}%" if tier.capacity_bytes else "-")
+    buffer = io.StringIO()
+    console = Console(file=buffer, width=TABLE_WIDTH, force_terminal=False, color_system=None)
+    console.print(layers)
+    console.print(tiers)
+    console.print(f"predicted step time {plan.predicted_step_s:.3f} s, solved in {plan.solve_s:.2f} s, "
+                  f"gap {100 * plan.gap:.2f}%, status {plan.status}")
+    return buffer.getvalue()
+
+
+def baseline_step_times(problem: PlanProblem, greedy: Plan | None = None) -> dict[str, str]:
+    """Predicted step time of each baseline, or why it does not fit. `greedy`: the greedy plan when
+    the caller already has it (it is the solver's warm start)."""
+    makers = {
+        "greedy": lambda: greedy if greedy is not None else greedy_plan(problem),
+        f"fixed rule (k={FIXED_RULE_K})": lambda: fixed_rule_plan(problem, FIXED_RULE_K),
+        "DeepSpeed default": lambda: deepspeed_default_plan(problem),
+    }
+    results = {}
+    for name, make in makers.items():
+        try:
+            plan = make()
+            check_within_budgets(problem, plan)
+        except (PlanInfeasible, BudgetExceeded) as error:
+            results[name] = f"infeasible: {error}"
+            continue
+        results[name] = f"{plan.predicted_step_s:.3f} s"
+    return results
+
+
+def plot_memory(problem: PlanProblem, plan: Plan, path: str | FilePath) -> None:
+    """PNG of each tier's memory over the step's windows (simulated), budgets dashed."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    simulation = simulate(problem, plan)
+    figure = Figure(figsize=(10, 4.5))
+    FigureCanvasAgg(figure)
+    axes = figure.add_subplot()
+    windows = range(problem.num_windows)
+    for tier, spec in problem.machine.tiers.items():
+        line, = axes.plot(windows, [r.memory.get(tier, 0.0) / GB for r in simulation.windows], label=tier)
+        axes.axhline(spec.capacity_bytes / GB, color=line.get_color(), linestyle="--", linewidth=1)
+    ticks = list(windows)[:: max(1, problem.num_windows // 20)]
+    axes.set_xticks(ticks, [window_label(problem, w) for w in ticks])
+    axes.set_xlabel("window (f: forward, b: backward, opt: optimizer)")
+    axes.set_ylabel("GB")
+    axes.set_ylim(bottom=0)
+    axes.set_title(f"{plan.source} plan: predicted step {plan.predicted_step_s:.3f} s (budgets dashed)")
+    axes.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)

@@ -1,0 +1,44 @@
+"""The `lazyzero` command line: config check, config reference, ops status."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _lazyzero(*args: str, cwd=None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "lazyzero.cli", *args], capture_output=True, text=True,
+                          timeout=180, cwd=cwd)
+
+
+def test_config_check_accepts_the_shipped_demo_config():
+    proc = _lazyzero("config", "check", str(ROOT / "ds_configs" / "cpu_demo.json"))
+    assert proc.returncode == 0, proc.stderr
+    assert "OK" in proc.stdout and "features on: none" in proc.stdout
+
+
+def test_config_check_reports_every_problem_with_key_path_and_allowed_values(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"train_micro_batch_size_per_gpu": 1,
+                               "lazyzero": {"gradients": {"block_size": 100}, "optimizer": {"tpye": "adam8bit"}}}))
+    proc = _lazyzero("config", "check", str(bad), cwd=tmp_path)
+    assert proc.returncode == 2
+    assert "lazyzero.gradients.block_size: got 100; allowed: a power of two" in proc.stderr
+    assert "lazyzero.optimizer.tpye: unknown key" in proc.stderr and "did you mean 'type'" in proc.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.json"]
+
+
+def test_config_check_names_a_file_that_is_not_json(tmp_path):
+    bad = tmp_path / "broken.json"
+    bad.write_text('{"lazyzero": {}')
+    proc = _lazyzero("config", "check", str(bad))
+    assert proc.returncode == 2 and "broken.json" in proc.stderr
+
+
+def test_ops_status_names_both_backends():
+    proc = _lazyzero("ops", "status")
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert any(line.startswith("cpu") for line in lines) and any(line.startswith("cuda") for line in lines)

@@ -1,0 +1,194 @@
+"""A measured profile becomes one ZeRO-3 rank's planning problem (issue 7): partitions, collectives
+added to the layers' times, measured optimizer speeds, per-rank budgets and the workspace, checked
+against hand computations on a made-up profile (nothing is measured here)."""
+
+import math
+
+import pytest
+
+from lazyzero.plan.costs import EMBED_AND_HEAD
+from lazyzero.plan.problem_from_profile import Budgets, RankShape, problem_from_profile
+from lazyzero.plan.profile.data import (Bandwidth, CollectiveSpeed, Fingerprint, LayerProfile, MachineProfile,
+                                           MemorySnapshot, ModelProfile, OptimizerSpeed, TensorInfo)
+from lazyzero.plan.swap_buffers import aligned
+
+MB = 10**6
+LAYER_TENSORS = {"self_attn.q_proj.weight": 64 * 64, "self_attn.k_proj.weight": 64 * 32, "mlp.up_proj.weight": 64 * 177,
+                 "input_layernorm.weight": 64}
+HEAD_TENSORS = {"model.embed_tokens.weight": 300 * 64, "model.norm.weight": 64, "lm_head.weight": 300 * 64}
+
+
+def layer(name, tensors, kind="decoder", act=None):
+    return LayerProfile(
+        name=name, kind=kind, measured_as=name, fwd_s=0.1, bwd_s=0.2, recompute_s=0.09 if kind == "decoder" else None,
+        checkpointed_fwd_s=None, checkpointed_bwd_s=None, packed_fwd_s={16: 0.1, 8: 0.11, 4: 0.12},
+        packed_bwd_s={16: 0.2, 8: 0.23, 4: 0.25}, act_bytes=act or {16: 30 * MB, 8: 12 * MB, 4: 10 * MB},
+        input_bytes=2 * MB, output_bytes=2 * MB, transient_fwd_bytes=3 * MB, transient_bwd_bytes=5 * MB,
+        tensors={key: TensorInfo(numel, "bfloat16") for key, numel in tensors.items()})
+
+
+def speed(s_per_param):
+    return OptimizerSpeed("cpu", 1000, 1000 * s_per_param, s_per_param, 8.0, 0.0, "native")
+
+
+def made_up_profile(world_size=2):
+    layers = [layer(f"model.layers.{i}", {f"model.layers.{i}.{k}": n for k, n in LAYER_TENSORS.items()}) for i in range(2)]
+    layers.append(layer(EMBED_AND_HEAD, HEAD_TENSORS, kind="embed_and_head", act={16: 4 * MB, 8: 2 * MB, 4: 2 * MB}))
+    machine = MachineProfile(
+        "cpu", "test cpu", 1, 64 * 10**9,
+        {"host_copy": Bandwidth(3e9, 1, 1.0), "nvme_write": Bandwidth(1e9, 1, 1.0), "nvme_read": Bandwidth(2e9, 1, 1.0)},
+        None, {"torch_adamw": speed(12e-9), "deepspeed_cpu_adam": speed(2.4e-9), "lazyzero_adamw8bit": speed(3e-9)},
+        {"all_gather": CollectiveSpeed(world_size, "bfloat16", 1, 1.0, 1e-9),
+         "reduce_scatter": CollectiveSpeed(world_size, "bfloat16", 1, 1.0, 2e-9)}, {})
+    fingerprint = Fingerprint("sha", 2, 32, "bfloat16", 1, world_size, "t", "d", "l", "test cpu", None, "s")
+    return ModelProfile(fingerprint, tuple(layers), {16: MB, 8: MB, 4: MB}, machine,
+                        MemorySnapshot(rss_bytes=500 * MB, param_bytes=100 * MB, buffer_bytes=0), {}, 1.0)
+
+
+@pytest.fixture
+def problem(tmp_path):
+    budgets = Budgets(cpu_mem=4 * 10**9, gpu_mem=None, nvme_path=str(tmp_path), local_ranks=2)
+    return problem_from_profile(made_up_profile(), budgets, RankShape(2, "bfloat16", True, True))
+
+
+def test_decoder_layer_is_the_ranks_partition_with_collectives_in_its_times(problem):
+    problem, _ = problem
+    costs = problem.layers[0]
+    numel = sum(LAYER_TENSORS.values())
+    partition = sum(math.ceil(n / 2) for n in LAYER_TENSORS.values())
+    # bf16 parameters; with an NVMe tier and no GPU the optimizer is offloaded, so DeepSpeed keeps
+    # fp32 gradient partitions; its NVMe swapper's buffers are held all along (in the workspace), so
+    # stepping a layer stages nothing more.
+    assert costs.param_bytes == 2 * partition and costs.grad_bytes == 4 * partition
+    assert costs.stage_bytes_fp32 == costs.stage_bytes_8bit == 0
+    gather, scatter = 1e-9 * 2 * numel, 2e-9 * 2 * numel  # full layer in bf16, per byte
+    assert costs.fwd_s == pytest.approx(0.1 + gather) and costs.bwd_s == pytest.approx(0.2 + gather + scatter)
+    assert costs.recompute_s == 0.09
+    assert costs.pack_fwd_s == pytest.approx({16: 0.0, 8: 0.01, 4: 0.02})
+    assert costs.pack_bwd_s == pytest.approx({16: 0.0, 8: 0.03, 4: 0.05})
+    # fp32: moments 8 B + master 4 B; 8-bit: q and up (>= 4096 elements, not a norm) at 2 + 8/256 + 4.
+    assert costs.optim_state_bytes_fp32 == 12 * partition
+    eight_bit = (2 + 8 / 256 + 4) * (64 * 64 / 2 + 64 * 177 / 2) + 12 * (64 * 32 / 2 + 64 / 2)
+    assert costs.optim_state_bytes_8bit == round(eight_bit)
+    assert costs.act_bytes == {16: 30 * MB, 8: 12 * MB, 4: 10 * MB} and costs.input_bytes == 2 * MB
+
+
+def test_the_head_keeps_what_it_saves_at_every_width_and_never_gains_from_recompute(problem):
+    problem, _ = problem
+    head = problem.layers[-1]
+    assert head.name == EMBED_AND_HEAD
+    assert head.act_bytes == {16: 4 * MB, 8: 4 * MB, 4: 4 * MB} and head.input_bytes == 4 * MB
+    assert head.pack_fwd_s == head.pack_bwd_s == {16: 0.0, 8: 0.0, 4: 0.0}
+
+
+def test_budgets_are_split_among_the_ranks_of_the_host(problem, tmp_path):
+    import shutil
+
+    problem, _ = problem
+    tiers = problem.machine.tiers
+    assert sorted(tiers) == ["gpu", "nvme"] and tiers["gpu"].capacity_bytes == 2 * 10**9
+    free = shutil.disk_usage(tmp_path).free // 2
+    assert abs(tiers["nvme"].capacity_bytes - free) < 100 * MB
+    assert problem.machine.paths["nvme_read"].bytes_per_s == 2e9 and "d2h" not in problem.machine.paths
+
+
+def test_optimizer_speeds_per_state_byte_are_the_measured_steps(problem):
+    problem, _ = problem
+    machine = problem.machine
+    # Without a GPU, with NVMe: DeepSpeed's CPU Adam steps every fp32 state (the optimizer is offloaded).
+    assert machine.gpu_adam_s_per_byte == machine.cpu_adam_s_per_byte == pytest.approx(2.4e-9 / 12)
+    assert machine.nvme_swaps_block and machine.nvme_state_takes_grads
+    assert machine.gpu_adam8_s_per_byte == pytest.approx(3e-9 / (2 + 8 / 256 + 4))
+
+
+def test_without_nvme_the_optimizer_stays_in_memory():
+    problem, _ = problem_from_profile(made_up_profile(), Budgets(4 * 10**9, None, None, 2),
+                                      RankShape(2, "bfloat16", True, True))
+    assert problem.machine.gpu_adam_s_per_byte == pytest.approx(12e-9 / 12)
+    assert problem.layers[0].grad_bytes == problem.layers[0].param_bytes
+    assert not problem.machine.nvme_state_takes_grads
+
+
+def test_an_fp32_model_without_a_gpu_keeps_its_parameters_off_nvme(tmp_path):
+    budgets = Budgets(cpu_mem=4 * 10**9, gpu_mem=None, nvme_path=str(tmp_path), local_ranks=2)
+    fp32, _ = problem_from_profile(made_up_profile(), budgets, RankShape(2, "float32", False, True))
+    bf16, _ = problem_from_profile(made_up_profile(), budgets, RankShape(2, "bfloat16", True, True))
+    assert fp32.param_tiers == ("gpu",) and bf16.param_tiers is None
+
+
+def test_workspace_is_the_process_plus_what_every_plan_holds(problem, tmp_path):
+    problem, sizes = problem
+    numel = sum(LAYER_TENSORS.values())
+    head = sum(HEAD_TENSORS.values())
+    partitions = sum(math.ceil(n / 2) for n in list(LAYER_TENSORS.values()) * 2 + list(HEAD_TENSORS.values()))
+    largest_tensor = math.ceil(max(HEAD_TENSORS.values()) / 2)
+    # A sub-group closes once it reaches one layer's partition: at most that - 1 plus one tensor.
+    group = math.ceil(numel / 2) - 1 + largest_tensor
+    optimizer_swap = 4 * aligned(group, 4) * 4
+    expected = (400 * MB                      # the process without the model it held when profiled
+                + (2 * numel + head) * 2       # two gathered layers and the head, bf16
+                + 5 * MB                       # the larger temporaries of a layer
+                + numel * 2                    # one reduce bucket
+                + math.ceil(numel / 2) * 4     # the optimizer's fp32 gradient copy of one sub-group
+                + MB                           # rotary tables and mask, saved once per forward
+                + 2 * partitions               # the optimizer is offloaded: DeepSpeed's flat bf16 gradients
+                + optimizer_swap)              # and its NVMe swapper's 4 fp32 buffers
+    assert problem.workspace_bytes == expected
+    # Held when any layer's parameters are on NVMe: the swapper's pool (2 per tensor of a layer, each
+    # of the largest tensor's partition) and a buffer of the largest sub-group's whole tensors.
+    assert problem.param_swap_bytes == 2 * 4 * aligned(largest_tensor, 2) * 2 + aligned(2 * group, 2) * 2
+    measured, _ = problem_from_profile(made_up_profile(), Budgets(4 * 10**9, None, str(tmp_path), 2),
+                                       RankShape(2, "bfloat16", True, True), process_bytes=123 * MB)
+    assert measured.workspace_bytes == expected - 400 * MB + 123 * MB
+    assert sizes.largest_layer_numel == numel and sizes.world_size == 2 and sizes.tensors_per_layer == 4
+
+
+def test_a_cuda_profile_needs_a_gpu_budget(tmp_path):
+    import dataclasses
+
+    profile = made_up_profile()
+    profile = dataclasses.replace(profile, machine=dataclasses.replace(profile.machine, device_type="cuda"))
+    with pytest.raises(ValueError, match="lazyzero.plan.gpu_mem"):
+        problem_from_profile(profile, Budgets(None, None, None, 1), RankShape(2, "bfloat16", True, True))
+
+
+def test_other_features_add_what_they_hold_whatever_the_plan():
+    from lazyzero.plan.problem_from_profile import feature_workspace_bytes
+
+    profile, shape = made_up_profile(), RankShape(2, "bfloat16", True, True)
+    layer_numel = sum(LAYER_TENSORS.values())
+    total = 2 * layer_numel + sum(HEAD_TENSORS.values())
+    assert feature_workspace_bytes(profile, {"lazyzero": {}}, shape) == 0
+    int8 = {"lazyzero": {"gradients": {"quantize": "int8"}}}
+    # One bucket (a layer) of scratch: three fp32 rows and two int8 code buffers per element.
+    assert feature_workspace_bytes(profile, int8, shape) == 14 * layer_numel
+    int8["lazyzero"]["gradients"]["error_feedback"] = True
+    # Error feedback keeps an fp32 residual of every gradient element the rank sends.
+    assert feature_workspace_bytes(profile, int8, shape) == 14 * layer_numel + 4 * total
+    lazy = {"lazyzero": {"checkpoint": {"mode": "lazy"}}}
+    # Snapshot buffers: the rank's partition of bf16 parameters, fp32 master weights and two moments.
+    assert feature_workspace_bytes(profile, lazy, shape) == math.ceil(total / 2) * (2 + 4 + 8)
+    both = {"lazyzero": {**int8["lazyzero"], **lazy["lazyzero"]}}
+    # ... and lazyzero's own state: the residuals, snapshot too.
+    assert feature_workspace_bytes(profile, both, shape) == \
+        14 * layer_numel + 4 * total + math.ceil(total / 2) * (2 + 4 + 8) + 4 * total
+    lazy["lazyzero"]["checkpoint"]["host_buffer_limit"] = "1KB"
+    assert feature_workspace_bytes(profile, lazy, shape) == 1000
+
+
+def test_lazy_checkpoints_every_n_steps_share_the_windows_with_their_snapshot_traffic(tmp_path):
+    from lazyzero.config import PlanConfig
+    from lazyzero.plan import solve
+    from lazyzero.plan.problem_from_profile import lazy_snapshot_bytes, problem_for_config
+
+    ds_config = {"bf16": {"enabled": True}, "zero_optimization": {"stage": 3},
+                 "lazyzero": {"checkpoint": {"mode": "lazy"}}}
+    settings = PlanConfig(enabled=True, seq_len=8, cpu_mem=4 * 10**9, nvme_path=str(tmp_path), checkpoint_every=10)
+    problem, _ = problem_for_config(made_up_profile(), ds_config, settings, 2, 2, process_bytes=0)
+    snapshot = lazy_snapshot_bytes(made_up_profile(), ds_config, RankShape(2, "bfloat16", True, True))
+    assert snapshot > 0 and problem.checkpoint_bytes_per_step == math.ceil(snapshot / 10)
+    plan = solve(problem, max_gap=0.0)
+    assert sum(plan.checkpoint_transfers) == pytest.approx(problem.checkpoint_bytes_per_step)
+    # Without a path to copy over (no GPU, no NVMe tier) there is no traffic to plan.
+    no_nvme = settings.model_copy(update={"nvme_path": None})
+    assert problem_for_config(made_up_profile(), ds_config, no_nvme, 2, 2, process_bytes=0)[0].checkpoint_bytes_per_step == 0

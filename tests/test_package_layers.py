@@ -1,0 +1,112 @@
+"""The package map holds (docs/architecture.md): foundation packages import no capability, capability
+packages import neither the engine, the application nor the test helpers, and no two capability
+packages import each other in a cycle. Every import counts, also those inside functions."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "lazyzero"
+FOUNDATION = {"config", "ops", "distributed", "models", "docs"}
+CAPABILITIES = {"gradients", "optimizer", "activations", "checkpoint", "plan"}
+LAYER = {**{name: 0 for name in FOUNDATION}, **{name: 1 for name in CAPABILITIES}, "engine": 2,
+         "app": 3, "train": 3, "cli": 3, "testing": 4,
+         # The public API (`lazyzero.initialize`, ...) resolves its names lazily from the engine.
+         "__init__": 5}
+
+
+def top_package(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[1] if parts[0] == "lazyzero" and len(parts) > 1 else ("__init__" if module == "lazyzero" else None)
+
+
+def imports_of(path: Path) -> set[str]:
+    """Top-level lazyzero packages `path` imports (absolute and relative imports, at any depth)."""
+    tree = ast.parse(path.read_text(), str(path))
+    found = set()
+    own = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found.update(filter(None, (top_package(alias.name) for alias in node.names)))
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = own[:len(own) - node.level]
+                module = ".".join(base + ((node.module,) if node.module else ()))
+            else:
+                module = node.module or ""
+            top = top_package(module)
+            if module == "lazyzero":
+                found.update(alias.name for alias in node.names if _is_module(alias.name))
+            elif top:
+                found.add(top)
+    return found
+
+
+def _is_module(name: str) -> bool:
+    return (PACKAGE / name).is_dir() or (PACKAGE / f"{name}.py").is_file()
+
+
+def package_of(path: Path) -> str:
+    relative = path.relative_to(PACKAGE)
+    return relative.parts[0] if len(relative.parts) > 1 else relative.stem
+
+
+def import_graph() -> dict[str, dict[str, set[str]]]:
+    """package -> imported package -> the files of `package` that import it."""
+    graph: dict[str, dict[str, set[str]]] = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        source = package_of(path)
+        for target in imports_of(path) - {source}:
+            graph.setdefault(source, {}).setdefault(target, set()).add(str(path.relative_to(PACKAGE.parent)))
+    return graph
+
+
+def test_every_package_is_on_the_map():
+    packages = {package_of(path) for path in PACKAGE.rglob("*.py")}
+    assert packages <= set(LAYER), f"not in LAYER (docs/architecture.md): {sorted(packages - set(LAYER))}"
+
+
+def test_no_package_imports_upward():
+    upward = [f"{source} -> {target} ({', '.join(sorted(files))})"
+              for source, targets in import_graph().items() for target, files in targets.items()
+              if LAYER[target] > LAYER[source]]
+    assert not upward, "imports against the layering:\n" + "\n".join(upward)
+
+
+def test_capability_packages_import_each_other_without_cycles():
+    graph = {source: {t for t in targets if t in CAPABILITIES}
+             for source, targets in import_graph().items() if source in CAPABILITIES}
+
+    def cycle_from(start, node, seen):
+        for nxt in graph.get(node, ()):
+            if nxt == start:
+                return seen + [nxt]
+            if nxt not in seen:
+                found = cycle_from(start, nxt, seen + [nxt])
+                if found:
+                    return found
+        return None
+
+    cycles = [cycle for start in graph if (cycle := cycle_from(start, start, [start]))]
+    assert not cycles, f"import cycles between capability packages: {cycles}"
+
+
+@pytest.mark.parametrize("source,text,expected", [
+    ("lazyzero/plan/x.py", "from lazyzero.engine import engine", {"engine"}),
+    ("lazyzero/plan/x.py", "def f():\n    import lazyzero.testing\n", {"testing"}),
+    ("lazyzero/plan/profile/x.py", "from ...engine import initialize", {"engine"}),
+    ("lazyzero/plan/x.py", "from lazyzero import testing, config", {"testing", "config"}),
+])
+def test_the_checker_sees_every_form_of_import(tmp_path, monkeypatch, source, text, expected):
+    """The test above can fail: each import form is found."""
+    root = tmp_path / "lazyzero"
+    path = tmp_path / source
+    path.parent.mkdir(parents=True)
+    path.write_text(text)
+    for name in ("engine", "testing.py", "config"):
+        (root / name).mkdir(parents=True, exist_ok=True) if "." not in name else (root / name).touch()
+    monkeypatch.setattr(f"{__name__}.PACKAGE", root)
+    assert imports_of(path) - {"plan"} == expected

@@ -8,7 +8,7 @@ output kept, its input and the norms at 8 bits, MLPs at 4, cheap elementwise rec
 - `saved_bytes_ratio`: bytes the quantized step stores for backward over the bytes autograd saves in
   the baseline (counted by the packer with every module at 16 bits: the same tensors, unpacked);
 - `peak_mem_ratio`: peak memory of a training step, quantized over baseline (GPU max allocated on
-  CUDA; on the CPU the C heap's live bytes sampled after every operation, `heap_peak.py`, less
+  CUDA; on the CPU the C heap's live bytes sampled after every operation, `lazyzero/plan/profile/measure.py`, less
   what the process held before building the model); model, gradients and optimizer state are
   included in both;
 - `step_time_ratio`: median step time, quantized over baseline, timed interleaved.
@@ -31,7 +31,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # `common` sits beside this script
 from common import median_seconds, pin_threads, write_results  # noqa: E402
-from heap_peak import heap_live_bytes, peak_bytes  # noqa: E402
+from lazyzero.plan.profile.measure import heap_live_bytes, peak_bytes  # noqa: E402
 
 from lazyzero.activations import ActivationPacker, ActivationPolicy  # noqa: E402
 from lazyzero.config.models import ActivationsConfig  # noqa: E402

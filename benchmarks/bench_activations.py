@@ -12,7 +12,7 @@ output kept, its input and the norms at 8 bits, MLPs at 4, cheap elementwise rec
   what the process held before building the model); model, gradients and optimizer state are
   included in both;
 - `step_time_ratio`: median step time, quantized over baseline, timed interleaved.
-Targets (issue 6): at most 0.30, 0.50 and 1.15. Details: bytes per module kind, the share of the
+Targets (docs/activations.md): at most 0.30, 0.50 and 1.15. Details: bytes per module kind, the share of the
 baseline that the 16-bit attention keeps under the default policy (a floor for `saved_bytes_ratio`),
 and the same ratios for an `attention_bits: 8` policy and for `attention_input_bits: 16` (the
 attention's input kept exact too).
@@ -31,11 +31,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # `common` sits beside this script
 from common import median_seconds, pin_threads, write_results  # noqa: E402
-from lazyzero.plan.profile.measure import heap_live_bytes, peak_bytes  # noqa: E402
 
 from lazyzero.activations import ActivationPacker, ActivationPolicy  # noqa: E402
 from lazyzero.config.models import ActivationsConfig  # noqa: E402
 from lazyzero.models.build import build_model  # noqa: E402
+from lazyzero.plan.profile.measure import heap_live_bytes, peak_bytes  # noqa: E402
 
 POLICIES = {"default": ActivationsConfig(enabled=True), "attention_8bit": ActivationsConfig(enabled=True, attention_bits=8),
             "attention_input_exact": ActivationsConfig(enabled=True, attention_input_bits=16)}

@@ -2,7 +2,7 @@
 
 The unquantized run (ds_configs/cpu_demo.json) against the default activation policy
 (ds_configs/cpu_demo_act4.json: attention kept, norms at 8 bits, the rest at 4), same seed and data. Figure of
-merit: the mean of the last 50 training losses, quantized over unquantized (issue 6 target: at most
+merit: the mean of the last 50 training losses, quantized over unquantized (docs/activations.md target: at most
 1.03), with the eval accuracy (exact match on held-out problems) of both runs after training.
 Writes a plot of the curves beside `--out`.
 

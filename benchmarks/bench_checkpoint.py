@@ -1,4 +1,4 @@
-"""Training stall per checkpoint: DeepSpeed's default engine, its decoupled writer, and lazyzero (issue 4).
+"""Training stall per checkpoint: DeepSpeed's default engine, its decoupled writer, and lazyzero (docs/checkpoint.md).
 
     python benchmarks/bench_checkpoint.py --quick --out /tmp/bench_checkpoint.json
 
@@ -61,9 +61,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # `common` sits beside this script
 from common import pin_threads, write_results  # noqa: E402
 
+from lazyzero.distributed.shm_segments import remove_leftover_segments  # noqa: E402
 from lazyzero.models.config import preset_config  # noqa: E402
 from lazyzero.models.presets import SUBWORD_VOCAB_SIZE, ModelPreset  # noqa: E402
-from lazyzero.distributed.shm_segments import remove_leftover_segments  # noqa: E402
 from lazyzero.testing import distributed_env, free_port, launch_command  # noqa: E402
 
 WORKER = Path(__file__).resolve().parent / "checkpoint_worker.py"
@@ -72,7 +72,7 @@ WORLD_SIZE = 2
 THREADS_PER_RANK = 1  # 2 ranks share the 2 cores of the reference machine
 BLOCK = 5  # a checkpoint every 5 steps (the issue)
 # llama family, hidden 1024, 10 layers, MLP 3072, 32000-token vocabulary: 201.9M parameters, the
-# size of the baseline in shared/docs/DEEPSPEED_NOTES.md ("Checkpoints").
+# size of the baseline in docs/deepspeed-internals.md ("Checkpoints").
 MODEL_200M = ModelPreset(1024, 10, 16, 16, 3072, SUBWORD_VOCAB_SIZE, 2048)
 MICRO_BATCH, SEQUENCE = 1, 64  # a step of a few seconds on 2 cores
 LAUNCH_TIMEOUT_S = 3600

@@ -1,4 +1,4 @@
-"""Int8 gradient reduce-scatter against fp32, bf16 and DeepSpeed's ZeRO-3 reduction (issue 3).
+"""Int8 gradient reduce-scatter against fp32, bf16 and DeepSpeed's ZeRO-3 reduction (docs/gradients.md).
 
 One run starts 4 ranks on gloo (CPU, 1 thread each; fresh ranks for each phase, see `run_phase`)
 and, for gradient buckets of 4, 16 and 64 MiB of fp32, times ways of leaving each rank with its
@@ -41,11 +41,11 @@ import torch.multiprocessing as mp
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # `common` sits beside this script
 from common import median_seconds, parse_args, pin_threads, write_results  # noqa: E402
 
+from lazyzero.distributed.shm_segments import remove_leftover_segments  # noqa: E402
 from lazyzero.gradients import ExchangeBuffers, quantized_reduce_scatter  # noqa: E402
 from lazyzero.gradients.quantized_reduce_scatter import make_plan  # noqa: E402
-from lazyzero.ops import native_build# noqa: E402
+from lazyzero.ops import native_build  # noqa: E402
 from lazyzero.ops.quant import dequantize_sum_int8  # noqa: E402
-from lazyzero.distributed.shm_segments import remove_leftover_segments  # noqa: E402
 from lazyzero.testing import destroy_engine, free_port  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]

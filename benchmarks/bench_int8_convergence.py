@@ -2,7 +2,7 @@
 
 For each stage, two runs of `lazyzero.train` with the same seed and data: ds_configs/cpu_demo.json
 (fp32 gradients) and ds_configs/cpu_demo_int8.json (int8, error feedback), both with the stage set.
-The figure of merit is the mean of the last 50 training losses, int8 over fp32 (issue 3 target:
+The figure of merit is the mean of the last 50 training losses, int8 over fp32 (docs/gradients.md target:
 at most 1.02); with several `--seeds`, the ratio of the means over seeds, each seed's ratio in the
 details. Writes the ratios and a plot of the curves per stage next to `--out`.
 

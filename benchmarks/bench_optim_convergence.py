@@ -4,7 +4,7 @@ Two layouts, each an fp32 baseline against the 8-bit optimizer with the same see
 ZeRO-2 (ds_configs/cpu_demo_zero2.json: torch AdamW, against ds_configs/cpu_demo_adam8bit.json) and
 ZeRO-3 with CPU optimizer offload (ds_configs/cpu_demo_offload.json: DeepSpeed's CPU Adam, against
 ds_configs/cpu_demo_adam8bit_offload.json). Figure of merit: the mean of the last 50 training
-losses, 8-bit over fp32 (issue 5 target: at most 1.02 on both). Writes a plot of the curves beside
+losses, 8-bit over fp32 (docs/optimizer.md target: at most 1.02 on both). Writes a plot of the curves beside
 `--out`.
 
     python benchmarks/bench_optim_convergence.py --out benchmarks/results/bench_optim_convergence.json

@@ -1,4 +1,4 @@
-"""The memory planner against its baselines under one host-memory budget (issue 7).
+"""The memory planner against its baselines under one host-memory budget (docs/plan.md).
 
     python benchmarks/bench_planner.py --quick --out benchmarks/results/bench_planner.json
 

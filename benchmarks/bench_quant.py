@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # `common` sits beside
 from common import gbps, median_seconds, parse_args, pin_threads, write_results  # noqa: E402
 
 import lazyzero.ops.quant  # noqa: E402, F401  (defines the torch.ops.lazyzero schemas)
-from lazyzero.ops import native_build, quant_reference# noqa: E402
+from lazyzero.ops import native_build, quant_reference  # noqa: E402
 
 THREADS = 2
 INPUT_BYTES = 64 * 2**20

@@ -48,7 +48,7 @@ ENGINE_SECTIONS = {
     "deepspeed": {},
     "decoupled": {"checkpoint": {"writer": {"type": "python", "decoupled": True}}},
     # lazyzero rejects DeepSpeed's "checkpoint.writer" in lazy mode: no writer section here.
-    "lazyzero": {"lazyzero": {"checkpoint": {"mode": "lazy", "keep_last": 2}}},
+    "lazyzero": {"lazyzero": {"checkpoint": {"enabled": True, "keep_last": 2}}},
 }
 PLAIN_WRITE_CHUNK = 64 * 2**20
 SEED = 0

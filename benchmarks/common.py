@@ -1,12 +1,13 @@
 """What every lazyzero benchmark shares: flags, thread pinning, timing, and the JSON it writes.
 
 A benchmark script calls `parse_args`, `pin_threads`, times callables with `median_seconds`, and
-ends with `write_results`, which adds the machine description so numbers can be compared later.
+ends with `write_results`, which adds the date and the machine description so numbers can be compared later.
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
 import platform
@@ -85,8 +86,9 @@ def write_results(
     path: Path | None, benchmark: str, quick: bool, results: dict[str, float], details: dict | None = None
 ) -> dict[str, object]:
     """Print the results, and write them with `details` (nested, not printed; the README table
-    reads only top-level numbers) and the machine description to `path` when given."""
-    document = {"benchmark": benchmark, "quick": quick, **results, **(details or {}), "machine": machine_info()}
+    reads only top-level numbers), the date and the machine description to `path` when given."""
+    document = {"benchmark": benchmark, "quick": quick, "date": datetime.date.today().isoformat(), **results,
+                **(details or {}), "machine": machine_info()}
     for key, value in results.items():
         print(f"{key:>20}  {value:10.3f}")
     if path is not None:

@@ -1,10 +1,13 @@
-"""Build the README's benchmark table from the result files in benchmarks/results/.
+"""Build the headline table of benchmarks/README.md from the result files in benchmarks/results/.
 
     python benchmarks/readme_table.py            # print the table
-    python benchmarks/readme_table.py --write    # replace the table in README.md
+    python benchmarks/readme_table.py --write    # replace the table in benchmarks/README.md
 
-Each result file is what a benchmark wrote with `--out`; its numeric top-level keys become rows.
-Targets are the ones the issues set; a row without one is shown for context.
+Each result file is what a benchmark wrote with `--out`. A row is one top-level number that has a
+target: targets are the ones the issues set, looked up by the file's name, or, for a second run of
+a benchmark saved under another name (`bench_checkpoint_full.json`), by the benchmark it names.
+Numbers without a target (context such as `seq`, `batch`, `seed`, and secondary ratios) stay in the
+JSON files and out of the table.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from lazyzero.docs import replace_marked_block
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
-README = ROOT / "README.md"
+BENCHMARKS_README = ROOT / "benchmarks" / "README.md"
 
 # benchmark -> key -> (comparison, bound), from the issue that asked for the benchmark.
 TARGETS = {
@@ -39,38 +42,58 @@ TARGETS = {
                       "peak_over_budget_planned": ("<=", 1.1)},
 }
 _COMPARE = {">=": operator.ge, "<=": operator.le}
+HEADER = ["| result file | metric | target | measured | met | machine | date |",
+          "|---|---|---|---|---|---|---|"]
+
+
+def targets_of(name: str, result: dict) -> dict:
+    """The targets of result file `name`: its own, else those of the benchmark it names."""
+    if name in TARGETS:
+        return TARGETS[name]
+    return TARGETS.get(result.get("benchmark"), {})
 
 
 def table_markdown(results_dir: Path = RESULTS) -> str:
-    rows = ["| benchmark | key | measured | target | met |", "|---|---|---|---|---|"]
+    rows = list(HEADER)
     for path in sorted(results_dir.glob("*.json")):
         result = json.loads(path.read_text())
-        name = path.stem
+        targets = targets_of(path.stem, result)
         for key, value in result.items():
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                continue
-            rows.append(_row(name, key, value))
-    if len(rows) == 2:
-        rows.append("| (no results yet) | | | | |")
+            if key in targets and isinstance(value, (int, float)) and not isinstance(value, bool):
+                rows.append(_row(path.stem, result, key, value, targets[key]))
+    if len(rows) == len(HEADER):
+        rows.append("| (no results yet) | | | | | | |")
     return "\n".join(rows) + "\n"
 
 
-def _row(name: str, key: str, value: float) -> str:
-    target = TARGETS.get(name, {}).get(key)
-    if target is None:
-        return f"| {name} | `{key}` | {value:.4g} | | |"
+def _row(name: str, result: dict, key: str, value: float, target: tuple[str, float]) -> str:
     comparison, bound = target
     met = "yes" if _COMPARE[comparison](value, bound) else "**no**"
-    return f"| {name} | `{key}` | {value:.4g} | {comparison} {bound:g} | {met} |"
+    file = f"[{name}](results/{name}.json){' (quick)' if result.get('quick') else ''}"
+    return (f"| {file} | `{key}` | {comparison} {bound:g} | {value:.4g} | {met} | "
+            f"{machine_summary(result.get('machine', {}))} | {result.get('date', '')} |")
+
+
+def machine_summary(machine: dict) -> str:
+    """"AMD EPYC, 2 cores, 1 thread, no GPU": what the figure depends on most."""
+    cpu = " ".join(str(machine.get("cpu_model", "unknown CPU")).replace("(R)", "").replace("(TM)", "").split())
+    parts = [cpu]
+    if machine.get("cpu_count"):
+        parts.append(f"{machine['cpu_count']} cores")
+    if machine.get("threads"):
+        parts.append(f"{machine['threads']} thread{'s' if machine['threads'] != 1 else ''}")
+    parts.append(machine.get("gpu") or "no GPU")
+    return ", ".join(parts)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--write", action="store_true", help="update README.md in place")
+    parser.add_argument("--write", action="store_true", help="update benchmarks/README.md in place")
     args = parser.parse_args()
     table = table_markdown()
     if args.write:
-        README.write_text(replace_marked_block(README.read_text(), "benchmarks", table))
+        BENCHMARKS_README.write_text(replace_marked_block(BENCHMARKS_README.read_text(), "benchmarks", table))
+        print(f"updated the table in {BENCHMARKS_README.relative_to(ROOT)}")
     else:
         print(table, end="")
 

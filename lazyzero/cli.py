@@ -31,12 +31,12 @@ def _config_reference(args: argparse.Namespace) -> int:
     from lazyzero.docs import replace_marked_block
 
     reference = config_reference_markdown()
-    if args.write_readme is None:
+    if args.write is None:
         print(reference, end="")
         return 0
-    readme = Path(args.write_readme)
-    readme.write_text(replace_marked_block(readme.read_text(), "config-reference", reference))
-    print(f"updated the config reference in {readme}")
+    page = Path(args.write)
+    page.write_text(replace_marked_block(page.read_text(), "config-reference", reference))
+    print(f"updated the config reference in {page}")
     return 0
 
 
@@ -64,8 +64,8 @@ def _train(args: argparse.Namespace, rest: list[str]) -> int:
 def _profile(args: argparse.Namespace) -> int:
     import torch
 
-    from lazyzero.config import LazyZeroConfigError, load_ds_config_file
     from lazyzero.app.data.tokenizer import load_tokenizer
+    from lazyzero.config import LazyZeroConfigError, load_ds_config_file
     from lazyzero.models import build_model
     from lazyzero.plan.profile.profiler import ProfileFileError, ProfileSettings, load_or_profile
     from lazyzero.plan.profile.summary import profile_table
@@ -118,7 +118,8 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--world-size", type=int, default=None, help="also check settings that depend on the number of ranks")
     check.set_defaults(func=_config_check)
     reference = config.add_parser("reference", help="print the \"lazyzero\" config reference (Markdown)")
-    reference.add_argument("--write-readme", metavar="README", default=None, help="replace the reference block in this file instead")
+    reference.add_argument("--write", metavar="FILE", default=None,
+                           help="replace the block between the config-reference markers in FILE (docs/config.md) instead")
     reference.set_defaults(func=_config_reference)
 
     ops = sub.add_parser("ops", help="build or inspect the native ops").add_subparsers(dest="action", required=True)

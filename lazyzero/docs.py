@@ -1,4 +1,9 @@
-"""Generated blocks in README.md, between `<!-- NAME:start -->` and `<!-- NAME:end -->` markers."""
+"""Generated blocks in Markdown pages, between `<!-- NAME:start -->` and `<!-- NAME:end -->` markers.
+
+The config reference in docs/config.md (`lazyzero config reference --write docs/config.md`) and the
+benchmark table in benchmarks/README.md (`python benchmarks/readme_table.py --write`) are such
+blocks; tests/test_readme.py checks that each equals what its generator writes now.
+"""
 
 from __future__ import annotations
 

@@ -1,12 +1,11 @@
-"""Tolerances and small helpers shared by the tests, in one table (STYLE.md: tests).
+"""Tolerances and small helpers shared by the tests, in one table (docs/architecture.md: tests).
 
 Bit-exact comparisons use atol=0, rtol=0. Every looser tolerance below says why it is what it is.
 """
 
 import torch
 
-from lazyzero.distributed.launch import (distributed_env, free_port, launch_command,  # noqa: F401 - the tests' helpers
-                                       run_deepspeed_nodes, run_distributed)
+from lazyzero.distributed.launch import distributed_env, free_port, launch_command, run_deepspeed_nodes, run_distributed  # noqa: F401 - the tests' helpers
 
 EXACT = dict(atol=0.0, rtol=0.0)
 
@@ -73,6 +72,13 @@ TOLERANCES = {
     # storage or geometry gives cosines near 0.
     "activations_int8_grad_cosine": 0.99,
     "activations_int4_grad_cosine": 0.97,
+    # SmolLM2-135M, one ZeRO-3 step on 2 ranks (tests/app/test_real_model.py) against the same fp32
+    # step of the whole model on each rank, gradients averaged: the same weights and operations, only
+    # the order of fp32 sums differs (gathered vs whole weights, reduce-scatter of gradient buckets).
+    # Measured: losses equal bit for bit, gradient 5.7e-7 relative. A gradient missing one of the
+    # tied embedding's two uses (input or output) is off by order 1.
+    "zero3_vs_whole_model_loss": 1e-6,
+    "zero3_vs_whole_model_grad": 1e-5,
     # Planner (tests/planner): MILP objective against brute force, and its predicted step time
     # against the simulator replaying its schedule. CBC meets constraints to about 1e-7 of the
     # (GB, second) scaled rows; a mis-modelled window or byte count is off by percents.

@@ -11,17 +11,19 @@ import argparse
 import sys
 from pathlib import Path
 
-from lazyzero.config import LazyZeroConfigError, load_ds_config_file, validate_ds_config
 from lazyzero.app.data.arithmetic import DIFFICULTIES
+from lazyzero.config import LazyZeroConfigError, load_ds_config_file, validate_ds_config
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="lazyzero train", description=__doc__.splitlines()[0])
     p.add_argument("--deepspeed_config", "--config", dest="deepspeed_config", required=True,
                    help="DeepSpeed JSON config (with an optional \"lazyzero\" section)")
-    p.add_argument("--model", default="demo", help="preset name (tiny, demo, 125m, 1b, 7b, 13b, 27b), a config.json or a local checkpoint folder")
+    p.add_argument("--model", default="demo", help="preset name (tiny, demo, 125m, 1b, 7b, 13b, 27b), a real model "
+                   "(smollm2-135m), a .gguf file, a config.json or a local checkpoint folder")
     p.add_argument("--family", default=None, choices=["llama", "qwen2", "mistral", "gpt2"], help="architecture for a preset (default llama)")
-    p.add_argument("--tokenizer", default=None, help="local tokenizer folder (default: byte-level, no download)")
+    p.add_argument("--tokenizer", default=None, help="local tokenizer folder (default: a real model's own, "
+                   "else byte-level; never downloaded)")
     p.add_argument("--data", default=None, help="local .txt or .jsonl training file (default: the shipped arithmetic problems)")
     p.add_argument("--difficulty", default="starter", choices=list(DIFFICULTIES),
                    help="difficulty of the generated problems (train and eval)")
@@ -64,7 +66,7 @@ def plan_for_the_run(ds_config: dict, seq_len: int, save_every: int) -> None:
     if given != seq_len:
         raise SystemExit(f"lazyzero.plan.seq_len is {given!r} but --seq-len is {seq_len}; give the same length, "
                          "or leave lazyzero.plan.seq_len out (it follows --seq-len)")
-    lazy = (section.get("checkpoint") or {}).get("mode") == "lazy"
+    lazy = (section.get("checkpoint") or {}).get("enabled") is True
     if save_every and lazy:
         plan.setdefault("checkpoint_every", save_every)
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "lazyzero"
-FOUNDATION = {"config", "ops", "distributed", "models", "docs"}
+FOUNDATION = {"config", "ops", "distributed", "models", "docs", "patch_point"}
 CAPABILITIES = {"gradients", "optimizer", "activations", "checkpoint", "plan"}
 LAYER = {**{name: 0 for name in FOUNDATION}, **{name: 1 for name in CAPABILITIES}, "engine": 2,
          "app": 3, "train": 3, "cli": 3, "testing": 4,
@@ -110,3 +110,14 @@ def test_the_checker_sees_every_form_of_import(tmp_path, monkeypatch, source, te
         (root / name).mkdir(parents=True, exist_ok=True) if "." not in name else (root / name).touch()
     monkeypatch.setattr(f"{__name__}.PACKAGE", root)
     assert imports_of(path) - {"plan"} == expected
+
+
+def test_the_engine_names_no_capability():
+    """LazyZeroEngine reaches the capabilities only through the feature registry
+    (lazyzero/engine/features.py): its module imports no capability package and reads no section."""
+    engine = PACKAGE / "engine" / "engine.py"
+    assert not imports_of(engine) & CAPABILITIES
+    text = engine.read_text()
+    named = [section for section in CAPABILITIES
+             if f"lazyzero_config.{section}" in text or f'section("{section}")' in text]
+    assert not named, f"engine.py names {named}"

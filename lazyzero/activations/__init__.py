@@ -1,10 +1,10 @@
-"""Layer-aware quantization of the activations saved for backward (issue 6, AGoQ).
+"""Layer-aware quantization of the activations saved for backward (docs/activations.md, AGoQ).
 
 `ActivationPolicy` chooses a width per module (attention 16 bits, the rest 4 by default),
 `ActivationPacker` stores saved tensors at that width through saved-tensor hooks and counts the
 bytes in an `ActivationAccounting`; `pipeline_stage_bits` is AGoQ's rule for pipeline stages.
 `ActivationOffloader` moves the stored forms of chosen layers to host memory or NVMe and reads
-them back ahead of their backward (issue 7).
+them back ahead of their backward (docs/plan.md).
 """
 
 from lazyzero.activations.accounting import ActivationAccounting, SavedBytes

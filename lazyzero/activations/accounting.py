@@ -1,5 +1,5 @@
-"""Bytes of saved activations per layer and per module kind, before and after packing (issue 6, item 4),
-and what the offload moved off the device (issue 7).
+"""Bytes of saved activations per layer and per module kind, before and after packing (docs/activations.md),
+and what the offload moved off the device (docs/plan.md).
 
 The packer records each stored tensor once, where it is first saved: a tensor that several
 operations save (the input of the q, k and v projections) is stored, and counted, once. Parameters

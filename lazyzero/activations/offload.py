@@ -1,5 +1,5 @@
 """Stored activations of chosen layers moved off the device during the forward and read back ahead of
-their backward (issue 7: "activation offload to host or NVMe with prefetch").
+their backward (docs/plan.md: "activation offload to host or NVMe with prefetch").
 
 The memory planner (lazyzero/plan/problem.py) may give a layer's saved activations a home on
 another tier, host memory (CUDA) or NVMe. Its model: the layer's stored forms are written out from

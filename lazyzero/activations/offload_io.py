@@ -382,11 +382,10 @@ class NvmeWorker:
         verb = "writing" if kind == "write" else "reading"
         reason = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
         transfer.error = OSError(f"activation offload: {verb} {transfer.path} failed: {reason}")
-        for name in ("staging", "data"):
-            buffer = getattr(transfer, name)
+        for buffer in (transfer.staging, transfer.data):
             if buffer is not None:
                 self._pool.give(buffer)
-                setattr(transfer, name, None)
+        transfer.staging = transfer.data = None
         self._remove_file(transfer)
         transfer.back.set()
         self._on_error(transfer)

@@ -1,6 +1,6 @@
 """Which bit width each module's saved activations get: the policy of `"lazyzero": {"activations"}`.
 
-AGoQ (issue 6) stores saved activations per layer type: attention keeps 16 bits (its softmax is too
+AGoQ (docs/activations.md) stores saved activations per layer type: attention keeps 16 bits (its softmax is too
 sensitive for 4), MLP, activation-function and norm inputs go to about 4 bits. Modules are
 classified by class for the supported families (Llama, Qwen2, Mistral, GPT-2), by name otherwise.
 

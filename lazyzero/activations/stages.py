@@ -3,7 +3,7 @@
 Under the 1F1B schedule stage s of S (0-based) runs S - s forwards before its first backward, so it
 holds the saved activations of min(S - s, micro_batches) micro-batches at its peak: the first stage
 the most, the last stage one. With equal widths the first stage runs out of memory first while the
-last stage has room to spare (issue 6: "AGoQ shifts widths between pipeline stages by how many
+last stage has room to spare (docs/activations.md: "AGoQ shifts widths between pipeline stages by how many
 micro-batches each holds").
 
 The rule implemented here balances the stages' saved-activation memory against the busiest stage.

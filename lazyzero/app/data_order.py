@@ -1,7 +1,7 @@
 """Deterministic, resumable order of training examples across ranks and steps.
 
 The order depends only on (seed, epoch), so a run resumed at step k reads exactly the examples an
-uninterrupted run would (RELIABILITY promise 3) without saving any sampler state.
+uninterrupted run would (docs/reliability.md, guarantee 3) without saving any sampler state.
 """
 
 from __future__ import annotations

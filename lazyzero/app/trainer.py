@@ -12,7 +12,6 @@ import torch
 from lazyzero.app.data_order import StepBatches
 from lazyzero.app.run_report import StepLog, peak_memory_bytes, write_run_report
 
-
 # Largest model whose parameters evaluation gathers whole on every rank (see _whole_params_if_small).
 EVAL_GATHER_LIMIT_BYTES = 2 * 2**30
 
@@ -207,7 +206,7 @@ def load_training_inputs(args: argparse.Namespace) -> TrainingInputs:
 
     _share_cpu_cores()
     torch.manual_seed(args.seed)
-    tokenizer = load_tokenizer(args.tokenizer)
+    tokenizer = load_tokenizer(args.tokenizer, model=args.model)
     train_set, eval_problems = _build_datasets(args, tokenizer)
     model = build_model(args.model, family=args.family, vocab_size=tokenizer.vocab_size,
                         seed=args.seed, max_positions=max(args.seq_len, 256))
@@ -239,7 +238,9 @@ def _build_datasets(args: argparse.Namespace, tokenizer):
         texts = load_texts(args.data)
     else:
         problems = generate_problems(args.train_examples, seed=args.seed, split="train", difficulty=args.difficulty)
-        texts = [format_example(p) for p in problems]
+        # An instruct model's chat template frames the generated problems as it frames evaluation.
+        texts = [format_example(p, tokenizer.chat) for p in problems]
     eval_problems = (generate_problems(args.eval_problems, seed=args.seed, split="eval", difficulty=args.difficulty)
                      if args.eval_problems else [])
-    return TokenizedExamples(texts, tokenizer, args.seq_len), eval_problems
+    framed = tokenizer.chat is not None and not args.data
+    return TokenizedExamples(texts, tokenizer, args.seq_len, framed=framed), eval_problems

@@ -20,8 +20,15 @@ import time
 from pathlib import Path
 
 from lazyzero.checkpoint.folder_layout import LATEST_NAME, MANIFEST_NAME, check_tag, leftover_dirs, read_latest
-from lazyzero.checkpoint.manifest import (CheckpointDamagedError, CheckpointEntry, Manifest, find_problems,
-                                          list_checkpoints, read_manifest, resolve_tag_to_load)
+from lazyzero.checkpoint.manifest import (
+    CheckpointDamagedError,
+    CheckpointEntry,
+    Manifest,
+    find_problems,
+    list_checkpoints,
+    read_manifest,
+    resolve_tag_to_load,
+)
 
 DAMAGED = 1
 USAGE_ERROR = 2

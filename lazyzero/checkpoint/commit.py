@@ -1,4 +1,4 @@
-"""Writing one rank's files, and the commit of a whole checkpoint by rank 0 (RELIABILITY promise 1).
+"""Writing one rank's files, and the commit of a whole checkpoint by rank 0 (docs/reliability.md, guarantee 1).
 
 Order of a commit: every rank writes its files in the temporary folder (the host-resident ones
 before the next optimizer step, lazy_engine.py), then fsyncs them; once all ranks

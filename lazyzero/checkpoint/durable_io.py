@@ -1,4 +1,4 @@
-"""Writing files so that a crash leaves either the old state or the new one (RELIABILITY promise 1).
+"""Writing files so that a crash leaves either the old state or the new one (docs/reliability.md, guarantee 1).
 
 Every write, fsync and rename of the checkpoint path goes through here, which is also where faults
 are injected (`faults.io_fault`) and where each file's hash is computed while it is written: the

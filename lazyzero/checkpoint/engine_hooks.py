@@ -1,5 +1,5 @@
-"""What `LazyZeroEngine` adds to DeepSpeed's save and load: the lazy engine, lazyzero's per-rank
-state, NVMe-resident optimizer state, and verified loading (issue 4; lazyzero/checkpoint/)."""
+"""What the checkpoint feature (feature.py) adds to DeepSpeed's save and load: the lazy engine,
+lazyzero's per-rank state, NVMe-resident optimizer state, and verified loading (docs/checkpoint.md)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import torch
 from deepspeed import comm as dist
 from deepspeed.utils import logger
 
-from lazyzero.checkpoint.lazy_engine import LazyCheckpointEngine
 from lazyzero.checkpoint.folder_layout import MANIFEST_NAME, read_latest
+from lazyzero.checkpoint.lazy_engine import LazyCheckpointEngine
 from lazyzero.checkpoint.manifest import resolve_tag_to_load, verify_checkpoint
 from lazyzero.checkpoint.rank_state import load_rank_state, rank_state_document, rank_state_path
 
@@ -23,24 +23,25 @@ def lazy_checkpoint_engine(engine) -> LazyCheckpointEngine:
 
 
 @contextlib.contextmanager
-def lazy_save(engine, save_dir: str, save_latest: bool):
-    """Around DeepSpeed's save_checkpoint: take a buffer slot before, release it if the save fails."""
+def lazy_save(engine, feature, save_dir: str, save_latest: bool):
+    """Around DeepSpeed's save_checkpoint: take a buffer slot before, release it if the save fails.
+    `feature.inside_lazy_save` is set meanwhile (DeepSpeed must not copy the NVMe swap folder)."""
     checkpoint_engine = engine.checkpoint_engine
     checkpoint_engine.prepare(str(save_dir), save_latest, engine.global_steps, barrier=dist.barrier)
-    engine._inside_lazy_save = True
+    feature.inside_lazy_save = True
     try:
         yield
     except BaseException:
         checkpoint_engine.abandon()
         raise
     finally:
-        engine._inside_lazy_save = False
+        feature.inside_lazy_save = False
 
 
 def save_rank_state(engine, save_dir: str, tag: str) -> None:
     """lazyzero_rank<R>.pt through the engine's checkpoint engine, inside DeepSpeed's save (so before
     'latest' is written, and in the same lazy commit)."""
-    if not engine._keeps_rank_state():
+    if not engine.lazyzero_features.any("keeps_rank_state", engine):
         return
     document = rank_state_document(engine.global_rank, engine.world_size, engine.lazyzero_rank_state())
     engine.checkpoint_engine.save(document, str(rank_state_path(os.path.join(save_dir, tag), engine.global_rank)))
@@ -62,9 +63,9 @@ def snapshot_nvme_optimizer_files(engine, save_dir: str, tag: str) -> None:
         engine.checkpoint_engine.add_raw_file(f"offloaded_tensors/rank{dp_index_to_str(rank)}/{relative.as_posix()}", str(source))
 
 
-def prepare_load(engine, load_dir: str, tag: str | None) -> str | None:
+def prepare_load(engine, lazy: bool, load_dir: str, tag: str | None) -> str | None:
     """The tag to load, after cleaning leftovers and verifying it (CheckpointDamagedError if damaged)."""
-    if engine.lazy_checkpoints:
+    if lazy:
         engine.checkpoint_engine.clean_leftovers(load_dir, barrier=dist.barrier)
         if tag is None:
             tag, why = resolve_tag_to_load(load_dir)
@@ -83,16 +84,14 @@ def prepare_load(engine, load_dir: str, tag: str | None) -> str | None:
 
 
 def restore_rank_state(engine, tag_dir: str) -> None:
-    if not engine._keeps_rank_state():
+    features = engine.lazyzero_features
+    if not features.any("keeps_rank_state", engine):
         return
-    features, why_not = load_rank_state(tag_dir, engine.global_rank, engine.world_size)
-    if features is None:
+    state, why_not = load_rank_state(tag_dir, engine.global_rank, engine.world_size)
+    if state is None:
         logger.warning(f"lazyzero: {why_not}; int8 error-feedback residuals restart from zero, RNG states are kept")
         return
-    if engine._gradient_exchange is not None and engine._gradient_exchange.error_feedback is not None:
-        engine._gradient_exchange.load_state_dict(features.get("gradients"))
-    if "rng" in features:
-        restore_rng_state(features["rng"])
+    features.call("load_rank_state", engine, state)
 
 
 def rng_state() -> dict:

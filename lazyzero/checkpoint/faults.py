@@ -1,4 +1,4 @@
-"""Fault injection for the checkpoint path, chosen by environment variables (RELIABILITY rows 1 and 3).
+"""Fault injection for the checkpoint path, chosen by environment variables (docs/reliability.md, what is tested and 3).
 
 `LAZYZERO_FAILPOINT=NAME[@RANK][#N]`: the process SIGKILLs itself the N-th time (default 1st) it
 reaches failpoint NAME, only on global rank RANK when given. A kill, not an exception: nothing gets

@@ -11,7 +11,7 @@ Per checkpoint, in the background:
   3. all ranks agree on a side gloo group (each rank's files and hashes, or its error); rank 0
      commits (commit.py) and broadcasts the outcome.
 A failure anywhere is kept and raised on this rank's next save, wait or optimizer step
-(RELIABILITY promise 4); the temporary data is removed and `latest` is not advanced.
+(docs/reliability.md, guarantee 4); the temporary data is removed and `latest` is not advanced.
 """
 
 from __future__ import annotations
@@ -28,14 +28,28 @@ from pathlib import Path
 import torch
 from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo, CheckpointEngine
 
-from lazyzero.checkpoint.commit import WrittenFile, commit_on_rank0, discard_temp, discard_written, make_durable, write_files
+from lazyzero.checkpoint.commit import (
+    WrittenFile,
+    commit_on_rank0,
+    discard_temp,
+    discard_written,
+    make_durable,
+    write_files,
+)
 from lazyzero.checkpoint.durable_io import remove_tree
 from lazyzero.checkpoint.faults import failpoint
 from lazyzero.checkpoint.folder_layout import check_tag, leftover_dirs, temp_dir
 from lazyzero.checkpoint.manifest import Manifest
+from lazyzero.checkpoint.snapshot import (
+    BufferBudget,
+    FileSnapshot,
+    HostBuffers,
+    run_copies,
+    snapshot_file,
+    snapshot_state,
+    start_device_copies,
+)
 from lazyzero.checkpoint.staged_io import StagingBlocks
-from lazyzero.checkpoint.snapshot import (BufferBudget, FileSnapshot, HostBuffers, run_copies, snapshot_file,
-                                          snapshot_state, start_device_copies)
 
 
 class CheckpointFailedError(RuntimeError):

@@ -1,4 +1,4 @@
-"""The manifest of a committed checkpoint, and verification against it (RELIABILITY promise 2).
+"""The manifest of a committed checkpoint, and verification against it (docs/reliability.md, guarantee 2).
 
 `lazyzero_manifest.json` lists every file of the tag folder with its size and hash. Its body is
 hashed too, so a flipped bit in the manifest itself is caught rather than trusted. A checkpoint

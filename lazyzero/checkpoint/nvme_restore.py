@@ -1,4 +1,4 @@
-"""Exact resume of ZeRO-3 runs whose optimizer state is swapped to NVMe (issue 4).
+"""Exact resume of ZeRO-3 runs whose optimizer state is swapped to NVMe (docs/checkpoint.md).
 
 DeepSpeed 0.19.8's `load_checkpoint` handles an NVMe-offloaded optimizer by copying the checkpoint's
 `offloaded_tensors/rank<NN>/` back into the swap folder and nothing else: it never reads

@@ -1,6 +1,6 @@
 """Checks of the "lazyzero" section against the DeepSpeed settings around it, and of those settings
 that lazyzero relies on. Read-only: they look at the file system but never create anything
-(RELIABILITY promise 6 and row 11).
+(docs/reliability.md, guarantee 6 and row 11).
 """
 
 from __future__ import annotations
@@ -87,9 +87,9 @@ def _directory_problems(path: str, directory: Any) -> list[Problem]:
 
 
 def _optimizer_conflicts(config: LazyZeroConfig, ds_config: dict) -> list[Problem]:
-    if config.optimizer.type == "none":
+    if not config.optimizer.enabled:
         return []
-    problems = [Problem.conflict("lazyzero.optimizer.type", config.optimizer.type, f"'none' while {setting} is {value}", why)
+    problems = [Problem.conflict("lazyzero.optimizer.enabled", True, f"false while {setting} is {value}", why)
                 for setting, value, why in _eight_bit_state_blockers(ds_config)]
     ds_optimizer = ds_config.get("optimizer")
     if not isinstance(ds_optimizer, dict) or "type" not in ds_optimizer:
@@ -98,7 +98,7 @@ def _optimizer_conflicts(config: LazyZeroConfig, ds_config: dict) -> list[Proble
     ds_type = ds_optimizer["type"]
     if not (isinstance(ds_type, str) and ds_type.lower() in ADAM_FAMILY):
         problems.append(Problem.conflict(
-            "lazyzero.optimizer.type", config.optimizer.type, "'none' unless optimizer.type is Adam or AdamW",
+            "lazyzero.optimizer.enabled", True, "false unless optimizer.type is Adam or AdamW",
             f"optimizer.type is {ds_type!r}; the 8-bit optimizers replace Adam or AdamW and take their hyper-parameters"))
     return problems
 
@@ -130,21 +130,21 @@ def _eight_bit_state_blockers(ds_config: dict) -> list[tuple[str, str, str]]:
 def _gradient_conflicts(config: LazyZeroConfig, ds_config: dict, world_size: Optional[int]) -> list[Problem]:
     problems = []
     zero = ds_config.get("zero_optimization")
-    if config.gradients.quantize != "none" and isinstance(zero, dict) and zero.get("zero_quantized_gradients") is True:
+    if config.gradients.enabled and isinstance(zero, dict) and zero.get("zero_quantized_gradients") is True:
         problems.append(Problem.conflict(
-            "lazyzero.gradients.quantize", config.gradients.quantize, "'none' while zero_optimization.zero_quantized_gradients is true",
+            "lazyzero.gradients.enabled", True, "false while zero_optimization.zero_quantized_gradients is true",
             "ZeRO++ qgZ would quantize the same gradients a second time"))
     stage = zero.get("stage", 0) if isinstance(zero, dict) else 0
-    if (config.gradients.quantize != "none" and stage in (1, 2)
+    if (config.gradients.enabled and stage in (1, 2)
             and isinstance(zero, dict) and zero.get("contiguous_gradients", True) is False):
         problems.append(Problem.conflict(
-            "lazyzero.gradients.quantize", config.gradients.quantize,
-            "'none' while zero_optimization.contiguous_gradients is false on stage 1 or 2",
+            "lazyzero.gradients.enabled", True,
+            "false while zero_optimization.contiguous_gradients is false on stage 1 or 2",
             "without a contiguous bucket DeepSpeed reduces in full precision through a path int8 does not replace"))
-    if config.gradients.error_feedback and config.gradients.quantize == "none":
+    if config.gradients.error_feedback and not config.gradients.enabled:
         problems.append(Problem.bad_value(
             "lazyzero.gradients.error_feedback", True,
-            "false while lazyzero.gradients.quantize is 'none' (it carries the int8 rounding error)"))
+            "false while lazyzero.gradients.enabled is false (it carries the int8 rounding error)"))
     ranks_per_node = config.gradients.ranks_per_node
     if ranks_per_node is not None and world_size is not None and world_size % ranks_per_node:
         problems.append(Problem.bad_value(
@@ -167,7 +167,7 @@ def _activation_conflicts(config: LazyZeroConfig, ds_config: dict) -> list[Probl
 
 
 def _activation_offload_problems(activations) -> list[Problem]:
-    """`offload_layers` against the rest of the section, and its NVMe folder (RELIABILITY row 11)."""
+    """`offload_layers` against the rest of the section, and its NVMe folder (docs/reliability.md, what is tested)."""
     path = "lazyzero.activations"
     offload = activations.offload_layers
     problems = []
@@ -191,16 +191,16 @@ def _activation_offload_problems(activations) -> list[Problem]:
 
 def _checkpoint_conflicts(config: LazyZeroConfig, ds_config: dict) -> list[Problem]:
     ds_checkpoint = ds_config.get("checkpoint")
-    if config.checkpoint.mode != "lazy" or not isinstance(ds_checkpoint, dict):
+    if not config.checkpoint.enabled or not isinstance(ds_checkpoint, dict):
         return []
     problems = []
     if ds_checkpoint.get("writer") is not None:
         problems.append(Problem.conflict(
-            "checkpoint.writer", ds_checkpoint["writer"], "absent while lazyzero.checkpoint.mode is 'lazy'",
+            "checkpoint.writer", ds_checkpoint["writer"], "absent while lazyzero.checkpoint.enabled is true",
             "lazyzero installs its own checkpoint engine, so DeepSpeed's writer settings would be ignored"))
     if ds_checkpoint.get("use_node_local_storage") is True:
         problems.append(Problem.conflict(
-            "checkpoint.use_node_local_storage", True, "false while lazyzero.checkpoint.mode is 'lazy'",
+            "checkpoint.use_node_local_storage", True, "false while lazyzero.checkpoint.enabled is true",
             "rank 0 commits a checkpoint by renaming one folder holding every rank's files, "
             "so save_dir must be one shared filesystem"))
     return problems

@@ -1,4 +1,4 @@
-"""How configuration problems are worded and raised (RELIABILITY promise 6: key path, value, what is allowed)."""
+"""How configuration problems are worded and raised (docs/reliability.md, guarantee 6: key path, value, what is allowed)."""
 
 from __future__ import annotations
 

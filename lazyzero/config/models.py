@@ -6,14 +6,15 @@ Why not DeepSpeed's `DeepSpeedConfigModel` (deepspeed/runtime/config_utils.py) a
   key named "strict" as its own argument, so `{"strict": 1}` in any sub-section is swallowed
   instead of reported as unknown (both checked against DeepSpeed 0.19.8, also for nested models);
 - importing it imports torch and DeepSpeed (about 3 s), which `lazyzero config check` must not pay;
-- its one addition, renamed/deprecated fields, has no use in a first release.
+- its one addition, renamed/deprecated fields, keeps accepting an old spelling, where lazyzero refuses
+  it naming the new key (`ConfigSection.retired_keys`), so that one spelling stays in use.
 So the models use pydantic's BaseModel with the same `extra="forbid"`, plus strict types: JSON has
 real booleans and numbers, and "yes" or "4" are more likely mistakes than intentions.
 """
 
 from __future__ import annotations
 
-from typing import Literal, Optional
+from typing import Any, ClassVar, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -21,7 +22,17 @@ from lazyzero.config.fieldtypes import LayerIndices, LayerKey, MemorySize, Memor
 
 
 class ConfigSection(BaseModel):
-    """Base of every model in the "lazyzero" section."""
+    """Base of every model in the "lazyzero" section.
+
+    Every capability is switched by its own `enabled: bool = False`. Spellings the switches had
+    before are refused, through the usual problem lines, with a hint naming the key to use instead.
+    """
+
+    retired_keys: ClassVar[dict[str, str]] = {}
+    """Removed key -> what to write instead (the problem reads "<path>: removed; <hint>")."""
+
+    retired_values: ClassVar[dict[str, dict[Any, str]]] = {}
+    """Field -> {value it no longer takes -> hint added to the problem after what is allowed}."""
 
     model_config = ConfigDict(
         extra="forbid",
@@ -139,11 +150,13 @@ class ActivationsConfig(ConfigSection):
 class GradientsConfig(ConfigSection):
     """Gradient reduce-scatter as an int8 all-to-all followed by a local dequantize-and-sum."""
 
-    quantize: Literal["none", "int8"] = "none"
-    """Wire format of gradients in the reduce-scatter; "none" keeps DeepSpeed's own collective."""
+    retired_keys = {"quantize": "use lazyzero.gradients.enabled: true (int8 is the wire format)"}
+
+    enabled: bool = False
+    """Send gradients in int8 in the reduce-scatter; false keeps DeepSpeed's own collective."""
 
     # 256 values per fp32 scale adds 4/256 = 1.6% to the traffic while the error bound (half a
-    # block's scale, RELIABILITY row 8) stays local; 2048 would save only 1.4% more bandwidth but
+    # block's scale, docs/reliability.md, what is tested) stays local; 2048 would save only 1.4% more bandwidth but
     # let a single outlier coarsen eight times as many values.
     block_size: PowerOfTwo(32, 8192) = 256
     """Gradient elements sharing one fp32 scale."""
@@ -164,8 +177,13 @@ class GradientsConfig(ConfigSection):
 class OptimizerConfig(ConfigSection):
     """8-bit Adam/AdamW: optimizer states stored block-wise in 8 bits, with a fused step."""
 
-    type: Literal["none", "adam8bit", "adamw8bit"] = "none"
-    """Replace DeepSpeed's Adam or AdamW (hyper-parameters from its "optimizer" section); "none" keeps it."""
+    retired_values = {"type": {"none": "switch the 8-bit optimizer off with lazyzero.optimizer.enabled: false"}}
+
+    enabled: bool = False
+    """Replace DeepSpeed's Adam or AdamW (hyper-parameters from its "optimizer" section) by the 8-bit `type`; false keeps it."""
+
+    type: Literal["adamw8bit", "adam8bit"] = "adamw8bit"
+    """The 8-bit optimizer: "adamw8bit" (decoupled weight decay, as AdamW) or "adam8bit" (L2 decay, as Adam)."""
 
     block_size: PowerOfTwo(32, 4096) = 256
     """State elements sharing one scale."""
@@ -190,8 +208,10 @@ STAGING_BLOCK_BYTES = 8 << 20
 class CheckpointConfig(ConfigSection):
     """Lazy asynchronous checkpoints: snapshot to host memory, write and commit in the background."""
 
-    mode: Literal["deepspeed", "lazy"] = "deepspeed"
-    """Checkpoint engine: "deepspeed" keeps DeepSpeed's; "lazy" returns from save once the snapshot is taken."""
+    retired_keys = {"mode": "use lazyzero.checkpoint.enabled: true for lazy checkpoints (false: DeepSpeed's own)"}
+
+    enabled: bool = False
+    """Lazy checkpoints: save returns once the snapshot is taken; false keeps DeepSpeed's checkpoint engine."""
 
     keep_last: Optional[int] = Field(None, ge=1)
     """Keep the newest N committed checkpoints and delete older ones. null: keep all."""
@@ -206,17 +226,11 @@ class CheckpointConfig(ConfigSection):
     """Threads writing checkpoint files in the background."""
 
     verify_on_load: bool = True
-    """Check every file's size and hash against the manifest before loading (RELIABILITY promise 2)."""
+    """Check every file's size and hash against the manifest before loading (docs/reliability.md, guarantee 2)."""
 
 
-# The field whose value switches each capability on; its default is the "off" value.
-FEATURE_SWITCHES = {
-    "plan": "enabled",
-    "activations": "enabled",
-    "gradients": "quantize",
-    "optimizer": "type",
-    "checkpoint": "mode",
-}
+# The capabilities, each switched by its section's `enabled`, in the order they are reported.
+FEATURES = ("plan", "activations", "gradients", "optimizer", "checkpoint")
 
 
 class LazyZeroConfig(ConfigSection):
@@ -242,10 +256,5 @@ class LazyZeroConfig(ConfigSection):
     """Lazy checkpoints."""
 
     def enabled_features(self) -> list[str]:
-        """Names of the capabilities switched on, in the order of `FEATURE_SWITCHES` (empty: plain DeepSpeed)."""
-        return [section for section, switch in FEATURE_SWITCHES.items() if is_switched_on(self, section, switch)]
-
-
-def is_switched_on(config: LazyZeroConfig, section: str, switch: str) -> bool:
-    sub_config = getattr(config, section)
-    return getattr(sub_config, switch) != type(sub_config).model_fields[switch].default
+        """Names of the capabilities switched on, in the order of `FEATURES` (empty: plain DeepSpeed)."""
+        return [section for section in FEATURES if getattr(self, section).enabled]

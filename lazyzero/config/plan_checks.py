@@ -1,4 +1,4 @@
-"""Checks of `"lazyzero": {"plan": {"enabled": true}}` against the rest of the config (issue 7).
+"""Checks of `"lazyzero": {"plan": {"enabled": true}}` against the rest of the config.
 
 With the planner on, the plan decides what a user would otherwise set by hand: the width, recompute
 and offload of each layer's saved activations, the 8-bit optimizer share, and DeepSpeed's parameter
@@ -15,7 +15,7 @@ from lazyzero.config.models import LazyZeroConfig
 # Fields of the "lazyzero" sub-sections that the plan sets.
 PLANNED_FIELDS = {
     "activations": ("enabled", "default_bits", "overrides", "recompute_layers", "offload_layers", "offload_nvme_path"),
-    "optimizer": ("type", "fraction_8bit"),
+    "optimizer": ("enabled", "type", "fraction_8bit"),
 }
 PLANNED_OFFLOAD_SECTIONS = ("offload_param", "offload_optimizer")
 _WHY_PLANNED = "the planner sets it when lazyzero.plan.enabled is true; remove it, or switch the planner off"
@@ -33,10 +33,10 @@ def plan_problems(config: LazyZeroConfig, ds_config: dict) -> list[Problem]:
         problems.append(Problem.conflict(
             "lazyzero.plan.gpu_mem", config.plan.gpu_mem, "null while lazyzero.plan.headroom_share is set",
             "headroom_share sets the compute-memory budget (the GPU's on CUDA) from the run's own profile"))
-    if config.plan.checkpoint_every is not None and config.checkpoint.mode != "lazy":
+    if config.plan.checkpoint_every is not None and not config.checkpoint.enabled:
         problems.append(Problem.conflict(
             "lazyzero.plan.checkpoint_every", config.plan.checkpoint_every,
-            "null unless lazyzero.checkpoint.mode is 'lazy'",
+            "null unless lazyzero.checkpoint.enabled is true",
             "only lazy checkpoints copy their snapshot while training runs; DeepSpeed's own save stops training"))
     for section, fields in PLANNED_FIELDS.items():
         given = getattr(config, section).model_fields_set

@@ -3,7 +3,8 @@
 Pydantic's own wording ("Input should be a valid integer") names neither the full key path nor,
 for custom checks, what would have been accepted. The error's `loc` gives the path; the allowed
 text comes from the field's annotation (`describe_allowed`), so it states the whole rule, not
-only the part that failed.
+only the part that failed. A key or value a model has retired (`ConfigSection.retired_keys`,
+`retired_values`) gets the model's hint naming what to write instead.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ class _Location:
     annotation: Any
     metadata: tuple = ()
     unknown_key_of: Optional[type[BaseModel]] = None
+    retired_values: Optional[dict] = None
+    """Values this field no longer takes -> hint (the owning model's `retired_values` entry)."""
 
 
 def problems_from_validation_error(error: ValidationError, root: type[BaseModel], root_path: str) -> list[Problem]:
@@ -36,11 +39,21 @@ def problems_from_validation_error(error: ValidationError, root: type[BaseModel]
 def _problem(detail: dict, location: _Location) -> Problem:
     if location.unknown_key_of is not None:
         return _unknown_key(location.path, location.unknown_key_of)
-    return Problem.bad_value(location.path, detail["input"], describe_allowed(location.annotation, location.metadata))
+    allowed = describe_allowed(location.annotation, location.metadata)
+    hint = _retired_value_hint(location.retired_values or {}, detail["input"])
+    return Problem.bad_value(location.path, detail["input"], f"{allowed} ({hint})" if hint else allowed)
+
+
+def _retired_value_hint(retired: dict, value: Any) -> Optional[str]:
+    # Compared with its type too: JSON's 1 and true are different values, though Python's == says otherwise.
+    return next((hint for old, hint in retired.items() if type(old) is type(value) and old == value), None)
 
 
 def _unknown_key(path: str, model: type[BaseModel]) -> Problem:
     key = path.rsplit(".", 1)[-1]
+    retired = getattr(model, "retired_keys", {})
+    if key in retired:
+        return Problem(path, f"removed; {retired[key]}")
     text = f"unknown key; allowed keys: {model_keys_text(model)}"
     # Compare lowercased so "Plan" and "GPU_mem" are recognised as well as transposed letters.
     by_lower = {name.lower(): name for name in model.model_fields}
@@ -62,7 +75,8 @@ def _locate(root: type[BaseModel], root_path: str, loc: tuple) -> _Location:
             if part not in model.model_fields:
                 return _Location(f"{location.path}.{part}", None, unknown_key_of=model)
             field = model.model_fields[part]
-            location = _Location(f"{location.path}.{part}", field.annotation, tuple(field.metadata))
+            location = _Location(f"{location.path}.{part}", field.annotation, tuple(field.metadata),
+                                 retired_values=getattr(model, "retired_values", {}).get(part))
             model = _model_class(field.annotation)
         else:
             is_bad_key = loc[index + 1:index + 2] == ("[key]",)

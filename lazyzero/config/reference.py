@@ -1,5 +1,5 @@
-"""Human-readable renderings of the config: the Markdown reference (embedded in the README) and a
-short summary of which features a validated config switches on.
+"""Human-readable renderings of the config: the Markdown reference (the generated block of
+docs/config.md) and a short summary of which features a validated config switches on.
 
 Both are generated from the models, so the documentation cannot drift from the code; the output
 is deterministic (fields in declaration order, no timestamps) so that a test can compare it.
@@ -12,9 +12,8 @@ import json
 from pydantic import BaseModel
 
 from lazyzero import __version__
-from lazyzero.config.errors import render_value
 from lazyzero.config.fieldtypes import describe_allowed
-from lazyzero.config.models import FEATURE_SWITCHES, LazyZeroConfig, is_switched_on
+from lazyzero.config.models import FEATURES, LazyZeroConfig
 from lazyzero.config.release import NOT_YET_AVAILABLE
 
 
@@ -25,14 +24,11 @@ def config_reference_markdown() -> str:
 
 
 def format_config_summary(config: LazyZeroConfig) -> str:
-    """A few lines: which capabilities are on, and the value of the option that switches each."""
+    """A few lines: which capabilities are on (each section's `enabled`)."""
     features = config.enabled_features()
     lines = [f"lazyzero {__version__}: features on: {', '.join(features) if features else 'none'}"]
-    width = max(len(section) for section in FEATURE_SWITCHES)
-    for section, switch in FEATURE_SWITCHES.items():
-        state = "on " if is_switched_on(config, section, switch) else "off"
-        value = getattr(getattr(config, section), switch)
-        lines.append(f"  {section:<{width}}  {state}  ({switch} = {render_value(value)})")
+    width = max(len(section) for section in FEATURES)
+    lines += [f"  {section:<{width}}  {'on' if section in features else 'off'}" for section in FEATURES]
     return "\n".join(lines)
 
 

@@ -1,7 +1,7 @@
 """Loading and validating a DeepSpeed config with its "lazyzero" section: the entry points.
 
 Every problem found is collected and raised together in one `LazyZeroConfigError`, so a user fixes
-a config in one round. Nothing here writes to disk or creates a folder (RELIABILITY promise 6).
+a config in one round. Nothing here writes to disk or creates a folder (docs/reliability.md, guarantee 6).
 """
 
 from __future__ import annotations

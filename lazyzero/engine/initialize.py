@@ -1,8 +1,8 @@
 """`lazyzero.initialize`: `deepspeed.initialize` with the `"lazyzero"` section validated first.
 
 DeepSpeed's initialize builds its engine class directly, so we take the same ~20-line path
-(DEEPSPEED_NOTES.md: engine subclass) and construct `LazyZeroEngine` instead. Validation runs
-before torch.distributed or anything on disk is touched (RELIABILITY promise 6).
+(docs/deepspeed-internals.md: engine subclass) and construct `LazyZeroEngine` instead. Validation runs
+before torch.distributed or anything on disk is touched (docs/reliability.md, guarantee 6).
 """
 
 from __future__ import annotations
@@ -47,8 +47,9 @@ def initialize(
     from deepspeed.runtime import zero
     from deepspeed.runtime.config import DeepSpeedConfig
 
-    from lazyzero.engine.engine import LazyZeroEngine
     from lazyzero.distributed.shm_segments import release_own_segment_name
+    from lazyzero.engine.engine import LazyZeroEngine
+    from lazyzero.engine.features import FeatureSet
 
     if isinstance(model, PipelineModule):
         raise ValueError("lazyzero does not support PipelineModule models; use deepspeed.initialize for pipeline parallelism")
@@ -60,48 +61,29 @@ def initialize(
     # Settings that depend on the number of ranks (e.g. gradients.ranks_per_node) can only be
     # checked now; still before any engine state or file exists.
     validate_ds_config(ds_config, world_size=dist.get_world_size())
-    active_plan = None
-    if lazyzero_config.plan.enabled:
-        from lazyzero.plan.engine_setup import plan_run
-
-        # Everything the plan decides becomes ordinary settings of the config DeepSpeed reads.
-        active_plan = plan_run(model, ds_config, lazyzero_config, dist)
-        ds_config, lazyzero_config = active_plan.setup.ds_config, active_plan.lazyzero_config
+    # Features that decide settings before DeepSpeed reads them (the planner) rewrite the config;
+    # the engine's features are then built from the config DeepSpeed will read.
+    inputs = {}
+    for prepared in FeatureSet(lazyzero_config).call("prepare_run", model, ds_config, lazyzero_config, dist):
+        if prepared is not None:
+            ds_config, lazyzero_config = prepared.pop("ds_config"), prepared.pop("lazyzero_config")
+            inputs.update(prepared)
+    features = FeatureSet(lazyzero_config, **inputs)
     mesh_device = _mesh_device(dist, ds_config, mesh_param)
     deepspeed.merge_tp_model_init_into_config(ds_config, mpu, mesh_param, dist)
     config_class = DeepSpeedConfig(ds_config, mpu, mesh_device=mesh_device)
     if config_class.hybrid_engine.enabled:
         raise ValueError("hybrid_engine.enabled: got true; allowed: false (lazyzero does not support DeepSpeed's hybrid engine)")
-    if active_plan is not None:
-        _check_planned_config(active_plan, config_class, model)
+    features.call("check_parsed_config", config_class, model)
     deepspeed.set_optimizer_flags(config_class, model)
     engine = LazyZeroEngine(args=args, model=model, optimizer=optimizer,
                             model_parameters=model_parameters, training_data=training_data,
                             lr_scheduler=lr_scheduler, mpu=mpu, dist_init_required=dist_init_required,
                             collate_fn=collate_fn, config=ds_config, mesh_device=mesh_device,
-                            config_class=config_class, lazyzero_config=lazyzero_config, active_plan=active_plan)
+                            config_class=config_class, lazyzero_config=lazyzero_config, features=features)
     zero.partition_parameters.restore_init_context()
     engine._configure_python_gc()
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
-
-
-def _check_planned_config(active_plan, config_class, model) -> None:
-    """DeepSpeed's parse of the planned config can realize the plan (one step, one placement)."""
-    from lazyzero.config import LazyZeroConfigError
-    from lazyzero.config.errors import Problem
-    from lazyzero.plan.engine_setup import zero_placement_of
-    from lazyzero.plan.zero_placement import placement_problems
-
-    problems = []
-    if config_class.gradient_accumulation_steps != 1:
-        problems.append(Problem.conflict("gradient_accumulation_steps", config_class.gradient_accumulation_steps,
-                                         "1 while lazyzero.plan.enabled is true",
-                                         "the planner models one forward and backward per optimizer step"))
-    placement = zero_placement_of(active_plan, model)
-    if placement is not None:
-        problems += placement_problems(placement, config_class.zero_config)
-    if problems:
-        raise LazyZeroConfigError(problems)
 
 
 def _resolve_config(args: Any, config: Optional[Union[str, dict]]) -> dict:

@@ -1,10 +1,10 @@
-"""Quantized collectives: int8 all-to-all with local fp32 reduction (AGoQ; issue 3).
+"""Quantized collectives: int8 all-to-all with local fp32 reduction (AGoQ; docs/gradients.md).
 
 `quantized_reduce_scatter` sends each owner its rows as block-wise int8 codes plus fp32 scales and
 sums what it receives in fp32; `quantized_all_reduce` follows it with an all-gather of the
 requantized int8 chunks. `two_hop_reduce_scatter` reduces inside nodes first, then across them
 (`build_node_groups`). `any_nonfinite` lets every rank agree on overflow, and the error bounds
-of RELIABILITY.md row 8 are computed from the scales (`ReduceScatterResult.error_bound`).
+of docs/reliability.md row 8 are computed from the scales (`ReduceScatterResult.error_bound`).
 """
 
 from lazyzero.gradients.error_bound import reduce_scatter_error_bound, requantization_error_bound

@@ -1,4 +1,4 @@
-"""Per-element error bounds of the quantized collectives (RELIABILITY.md row 8), from the scales.
+"""Per-element error bounds of the quantized collectives (docs/reliability.md row 8), from the scales.
 
 Reduce-scatter. Source rank k sends element i of a block with scale s_k = absmax_k / 127. Let X be
 the exact sum over ranks of the values each rank quantized. Then, per element,

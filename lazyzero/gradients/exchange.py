@@ -1,4 +1,4 @@
-"""`GradientExchange`: the int8 gradient collectives of one engine, with per-step bookkeeping (issue 3).
+"""`GradientExchange`: the int8 gradient collectives of one engine, with per-step bookkeeping (docs/gradients.md).
 
 The ZeRO hooks (`grad_exchange_hooks.py`) call `reduce_scatter` or `all_reduce` for every gradient
 bucket instead of DeepSpeed's full-precision collective, then `finish_step` once per optimizer step.
@@ -10,7 +10,7 @@ This object keeps what must persist across those calls:
   resumed run reproduces exactly (all ranks issue the same calls in the same order);
 * a device-side overflow marker: a NaN or Inf in any reduced output makes it Inf without a host
   sync; `finish_step` turns it into one decision shared by every rank (`any_nonfinite`,
-  RELIABILITY.md row 9). One agreement per step instead of one per bucket: the decision is only
+  docs/reliability.md row 9). One agreement per step instead of one per bucket: the decision is only
   needed at the step, and each agreement is a blocking collective;
 * bytes sent and seconds spent, reported as the metrics of the last finished step;
 * with error feedback, one fp32 residual per exchange call of a step (`ErrorFeedback`), carried to
@@ -25,6 +25,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from lazyzero.config.models import GradientsConfig
 from lazyzero.gradients import (
     ChunkLayout,
     ExchangeBuffers,
@@ -35,7 +36,6 @@ from lazyzero.gradients import (
     quantized_reduce_scatter,
     two_hop_reduce_scatter,
 )
-from lazyzero.config.models import GradientsConfig
 from lazyzero.gradients.error_feedback import ErrorFeedback
 
 # Strides of the (seed, step, call) triple in a call's seed: distinct triples get distinct seeds

@@ -1,4 +1,4 @@
-"""How many ranks share a node, for the two-hop int8 gradient exchange (issue 3).
+"""How many ranks share a node, for the two-hop int8 gradient exchange (docs/gradients.md).
 
 From `lazyzero.gradients.ranks_per_node` when set (so that "2 nodes x 2 ranks" can be rehearsed
 on one machine), else from the launcher: the deepspeed launcher exports LOCAL_SIZE, Open MPI's

@@ -1,4 +1,4 @@
-"""Agreement on overflow: every rank learns whether any rank holds a NaN or Inf (RELIABILITY.md
+"""Agreement on overflow: every rank learns whether any rank holds a NaN or Inf (docs/reliability.md
 promise 7, row 9).
 
 After a quantized reduce-scatter only the owner of a block sees that block, and a NaN or Inf in

@@ -37,7 +37,6 @@ from lazyzero.gradients.two_hop import NodeGroups, TwoHopResult, two_hop_reduce_
 from lazyzero.ops.quant import DEFAULT_BLOCK_SIZE, BlockQuantized, dequantize_blockwise
 
 
-
 @dataclass(frozen=True)
 class AllReduceResult:
     """The all-reduced tensor, identical on every rank, and what it cost."""

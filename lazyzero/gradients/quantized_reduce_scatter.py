@@ -1,6 +1,6 @@
 """Int8 reduce-scatter: quantize per owner, exchange by all-to-all, dequantize and sum in fp32.
 
-Algorithm (AGoQ; issue 3). A ring reduce-scatter in low precision adds partial sums hop by hop in
+Algorithm (AGoQ; docs/gradients.md). A ring reduce-scatter in low precision adds partial sums hop by hop in
 the wire format: every hop rounds again and int8 or fp16 partial sums overflow. Instead, each rank
 
 1. arranges its bucket as W rows, row r holding what owner r reduces (`ChunkLayout`; by default

@@ -1,10 +1,10 @@
 """Where int8 gradients enter DeepSpeed 0.19.8: one replacement per ZeRO stage, installed on instances.
 
 Each replacement is bound to one engine's objects (instance attributes shadow the class methods),
-so other engines in the process, and every engine with `gradients.quantize: "none"`, run
+so other engines in the process, and every engine with `gradients.enabled: false`, run
 DeepSpeed's code unchanged. Each keeps DeepSpeed's averaging and pre/post-division arithmetic
 (scale factors below, written out from `deepspeed/runtime/`) and its return dtype, and replaces
-only the collective (DEEPSPEED_NOTES.md, "Gradient reduction paths"):
+only the collective (docs/deepspeed-internals.md, "Gradient reduction paths"):
 
 * stage 3: `__avg_scatter_grads` (reduce-scatter of a bucket of gradients) and
   `__avg_scatter_contiguous_grads` (used when `reduce_scatter` is false; DeepSpeed all-reduces the
@@ -20,6 +20,9 @@ have one (`_update_scale`, which also lowers a dynamic loss scale).
 With several nodes (`node_layout.py`) each exchange takes two hops, inside nodes then across.
 
 The exchanges run on the current stream: with `overlap_comm` they do not overlap the backward.
+
+Every replacement goes through `lazyzero.patch_point`, which declares these methods and refuses a
+second change of one of them on the same object.
 """
 
 from __future__ import annotations
@@ -36,8 +39,10 @@ from deepspeed.utils.logging import print_dist
 from lazyzero.gradients import ChunkLayout
 from lazyzero.gradients.exchange import GradientExchange
 from lazyzero.gradients.node_layout import node_groups_for
+from lazyzero.patch_point import replace_method, wrap_method
 
 _STAGE3_PREFIX = "_DeepSpeedZeroOptimizer_Stage3__"
+_OWNER = "lazyzero.gradients (int8 exchange)"
 
 
 def install_int8_gradients(engine) -> GradientExchange:
@@ -52,10 +57,10 @@ def install_int8_gradients(engine) -> GradientExchange:
     elif isinstance(optimizer, DeepSpeedZeroOptimizer):
         _install_stage1_and_2(optimizer, exchange)
     elif reduces_through_engine_allreduce(engine):
-        engine.allreduce_bucket = _stage0_allreduce_bucket(engine, exchange)
+        replace_method(engine, "allreduce_bucket", _stage0_allreduce_bucket(engine, exchange), owner=_OWNER)
     else:
         raise NotImplementedError(
-            f"lazyzero.gradients.quantize 'int8': no int8 path for optimizer {type(optimizer).__name__} "
+            f"lazyzero.gradients.enabled: true, but no int8 path for optimizer {type(optimizer).__name__} "
             f"at zero_optimization.stage {engine.zero_optimization_stage()}")
     _install_step_guard(optimizer, exchange)
     hops = (f"two hops ({nodes.nodes} nodes x {nodes.ranks_per_node} ranks: inside nodes, then across)"
@@ -114,9 +119,10 @@ def _install_stage3(optimizer, exchange: GradientExchange) -> None:
         output = exchange.reduce_scatter(flat, group, layout, scale_of(optimizer, params, world_size))
         return layout.split(dist.get_rank(group), output)
 
-    def avg_scatter_grads(params, communication_data_type):
-        grads = [param.grad.reshape(-1) for param in params]
-        chunks = reduce_bucket(params, torch.cat(grads), [grad.numel() for grad in grads], stage3_scatter_scale)
+    def avg_scatter_grads(params_to_reduce, communication_data_type):
+        grads = [param.grad.reshape(-1) for param in params_to_reduce]
+        chunks = reduce_bucket(params_to_reduce, torch.cat(grads), [grad.numel() for grad in grads],
+                               stage3_scatter_scale)
         return [chunk.to(optimizer.gradient_accumulation_dtype) for chunk in chunks]
 
     def avg_scatter_contiguous_grads(buffer_to_reduce, communication_data_type):
@@ -132,8 +138,9 @@ def _install_stage3(optimizer, exchange: GradientExchange) -> None:
             partitions.append(padded)
         return partitions
 
-    setattr(optimizer, _STAGE3_PREFIX + "avg_scatter_grads", avg_scatter_grads)
-    setattr(optimizer, _STAGE3_PREFIX + "avg_scatter_contiguous_grads", avg_scatter_contiguous_grads)
+    replace_method(optimizer, _STAGE3_PREFIX + "avg_scatter_grads", avg_scatter_grads, owner=_OWNER)
+    replace_method(optimizer, _STAGE3_PREFIX + "avg_scatter_contiguous_grads", avg_scatter_contiguous_grads,
+                   owner=_OWNER)
 
 
 # ------------------------------------------------------------------------------- stage 1 / 2
@@ -172,11 +179,11 @@ def _install_stage1_and_2(optimizer, exchange: GradientExchange) -> None:
     if not optimizer.contiguous_gradients:
         # Without a contiguous bucket DeepSpeed reduces through `buffered_reduce_fallback`, a
         # full-precision path this hook does not replace; refuse rather than send fp32 silently.
-        raise ValueError("lazyzero.gradients.quantize 'int8' at zero_optimization.stage 1/2 needs "
+        raise ValueError("lazyzero.gradients.enabled: true at zero_optimization.stage 1/2 needs "
                          "zero_optimization.contiguous_gradients true")
     if optimizer.has_moe_layers:
         # Expert gradients reduce over expert groups, and owner slices would need them too.
-        raise NotImplementedError("lazyzero.gradients.quantize 'int8' at zero_optimization.stage 1/2 "
+        raise NotImplementedError("lazyzero.gradients.enabled: true at zero_optimization.stage 1/2 "
                                   "does not support MoE layers yet")
 
     def average_tensor(tensor, communication_data_type):
@@ -196,7 +203,7 @@ def _install_stage1_and_2(optimizer, exchange: GradientExchange) -> None:
         for (_, offset, length, group_index, param_id), values in zip(mine, layout.split(rank, reduced)):
             _store_owned_slice(optimizer, tensor[offset : offset + length], values, group_index, rank, param_id)
 
-    optimizer.average_tensor = average_tensor
+    replace_method(optimizer, "average_tensor", average_tensor, owner=_OWNER)
 
 
 def _store_owned_slice(optimizer, bucket_slice, values, group_index: int, rank: int, param_id: int) -> None:
@@ -239,18 +246,15 @@ def _install_step_guard(optimizer, exchange: GradientExchange) -> None:
     if isinstance(optimizer, (DeepSpeedZeroOptimizer, DeepSpeedZeroOptimizer_Stage3)):
         # Both ZeRO steps pass their overflow verdict through `_update_scale` and then, on
         # overflow, clear the gradients and return before touching parameters.
-        update_scale = optimizer._update_scale
-
-        def guarded_update_scale(has_overflow=False):
+        def guarded_update_scale(update_scale, has_overflow=False):
             if exchange.finish_step():
                 optimizer.overflow = has_overflow = True
             return update_scale(has_overflow)
 
-        optimizer._update_scale = guarded_update_scale
+        wrap_method(optimizer, "_update_scale", guarded_update_scale, owner=_OWNER)
         return
-    step = optimizer.step
 
-    def guarded_step(*args, **kwargs):
+    def guarded_step(step, *args, **kwargs):
         overflow = exchange.finish_step()
         # DeepSpeedEngine._take_model_step reads `optimizer.overflow` to count the skipped step
         # and hold the learning-rate schedule.
@@ -264,4 +268,4 @@ def _install_step_guard(optimizer, exchange: GradientExchange) -> None:
             optimizer.clear_lp_grads()
         return None
 
-    optimizer.step = guarded_step
+    wrap_method(optimizer, "step", guarded_step, owner=_OWNER)

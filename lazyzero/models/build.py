@@ -1,4 +1,4 @@
-"""Build randomly initialized (or locally saved) causal LMs from `model_config` specs."""
+"""Build randomly initialized (or locally saved, or real pretrained) causal LMs from `model_config` specs."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ import contextlib
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
-from lazyzero.models.config import checkpoint_weights_folder, model_config
+from lazyzero.models.config import check_pretrained_config, model_config
+from lazyzero.models.pretrained import checkpoint_weights_folder, gguf_files, load_gguf_model
 
 # SDPA: deterministic on CPU, the default fast path on GPU, and it needs no extra package.
 ATTENTION_IMPLEMENTATION = "sdpa"
@@ -25,9 +26,17 @@ def build_model(
     """A causal LM for `spec` (see `model_config`).
 
     Presets and config files get a fresh initialization drawn from `seed` (the global RNG state is
-    left untouched). A checkpoint folder with weights is loaded with from_pretrained, from the local
-    disk only. `meta=True` builds on the meta device: shapes without memory, for planning.
+    left untouched). A checkpoint folder with weights, a GGUF file or a named real model is loaded
+    with from_pretrained, from the local disk only. `meta=True` builds on the meta device: shapes
+    without memory, for planning.
     """
+    gguf = gguf_files(spec)
+    if gguf is not None and not meta:
+        # Checked on the loaded model's config: reading it from the file alone parses the whole GGUF
+        # metadata a second time, as long as the load itself.
+        model = load_gguf_model(gguf, dtype, ATTENTION_IMPLEMENTATION)
+        check_pretrained_config(model.config, spec, family, vocab_size, max_positions)
+        return model
     config = model_config(spec, family=family, vocab_size=vocab_size, max_positions=max_positions)
     folder = checkpoint_weights_folder(spec)
     if folder is not None and not meta:

@@ -1,6 +1,8 @@
-"""Model configs from a preset name, a config.json file or a local checkpoint folder.
+"""Model configs from a preset name, a named real model, a GGUF file, a config.json file or a local
+checkpoint folder.
 
-Nothing here downloads: presets are built from `PRESETS`, paths are read from the local disk.
+Nothing here downloads: presets are built from `PRESETS`, paths are read from the local disk, named
+real models from the files their packages installed (lazyzero/models/pretrained.py).
 """
 
 from __future__ import annotations
@@ -11,15 +13,10 @@ from pathlib import Path
 from transformers import GPT2Config, LlamaConfig, MistralConfig, PretrainedConfig, Qwen2Config
 
 from lazyzero.models.presets import PRESETS, ModelPreset
+from lazyzero.models.pretrained import NAMED_MODELS, checkpoint_weights_folder, gguf_config, gguf_files
 
 DEFAULT_FAMILY = "llama"
 FAMILIES = ("llama", "qwen2", "mistral", "gpt2")
-WEIGHT_FILES = (
-    "model.safetensors",
-    "model.safetensors.index.json",
-    "pytorch_model.bin",
-    "pytorch_model.bin.index.json",
-)
 _NO_SPECIAL_TOKENS = dict(bos_token_id=None, eos_token_id=None, pad_token_id=None)
 _CONFIG_CLASSES = {"llama": LlamaConfig, "qwen2": Qwen2Config, "mistral": MistralConfig, "gpt2": GPT2Config}
 
@@ -30,24 +27,30 @@ def model_config(
     vocab_size: int | None = None,
     max_positions: int | None = None,
 ) -> PretrainedConfig:
-    """Config for `spec`: a preset name, a config.json path, or a folder holding config.json.
+    """Config for `spec`: a preset name, a named real model (`NAMED_MODELS`), a .gguf file, a
+    config.json path, or a folder holding config.json.
 
     For presets, `family` picks the architecture (default llama) and `vocab_size` / `max_positions`
-    override the preset's. For paths, the family is the file's model_type (a different `family`
-    is an error); the overrides apply to a bare config, while a folder with weights can only be
-    asked for sizes it already covers (its embeddings cannot grow).
+    override the preset's. For paths and real models, the family is the model's own (a different
+    `family` is an error); the overrides apply to a bare config, while a model with weights can only
+    be asked for sizes it already covers (its embeddings cannot grow).
     """
     if family is not None and family not in FAMILIES:
         raise ValueError(f"unknown model family {family!r}; supported families: {', '.join(FAMILIES)}")
     if spec in PRESETS:
         return preset_config(PRESETS[spec], family or DEFAULT_FAMILY, vocab_size, max_positions)
+    gguf = gguf_files(spec)
+    if gguf is not None:
+        config = gguf_config(gguf)
+        check_pretrained_config(config, spec, family, vocab_size, max_positions)
+        return config
     path = Path(spec)
     if not path.exists():
         if path.suffix == ".json" or "/" in spec or "\\" in spec:
             raise FileNotFoundError(f"model config {spec} does not exist")
         raise ValueError(
-            f"unknown model preset {spec!r}; presets: {', '.join(PRESETS)}; "
-            "a path to a config.json or to a local checkpoint folder is also accepted"
+            f"unknown model preset {spec!r}; presets: {', '.join(PRESETS)}; real models: {', '.join(NAMED_MODELS)}; "
+            "a path to a config.json, a .gguf file or a local checkpoint folder is also accepted"
         )
     config = _read_config_file(path / "config.json" if path.is_dir() else path, family)
     if checkpoint_weights_folder(spec) is not None:
@@ -86,14 +89,6 @@ def preset_config(
     return _CONFIG_CLASSES[family](**common)
 
 
-def checkpoint_weights_folder(spec: str) -> Path | None:
-    """`spec` as a folder if it holds weights that from_pretrained can load, else None."""
-    folder = Path(spec)
-    if folder.is_dir() and any((folder / name).is_file() for name in WEIGHT_FILES):
-        return folder
-    return None
-
-
 def _read_config_file(file: Path, family: str | None) -> PretrainedConfig:
     if not file.is_file():
         raise FileNotFoundError(f"model config {file} does not exist")
@@ -104,13 +99,26 @@ def _read_config_file(file: Path, family: str | None) -> PretrainedConfig:
     if not isinstance(values, dict) or "model_type" not in values:
         raise ValueError(f"model config {file} must be a JSON object with a 'model_type' field")
     model_type = values["model_type"]
+    _check_family(model_type, family, file)
+    return _CONFIG_CLASSES[model_type].from_dict(values)
+
+
+def check_pretrained_config(
+    config: PretrainedConfig, spec: str, family: str | None, vocab_size: int | None, max_positions: int | None
+) -> None:
+    """Raise ValueError unless the real model `spec` is of a supported `family` (when one is asked
+    for) and covers `vocab_size` tokens and `max_positions` positions."""
+    _check_family(config.model_type, family, spec)
+    _check_checkpoint_covers(config, Path(spec), vocab_size, max_positions)
+
+
+def _check_family(model_type: str, family: str | None, source: Path | str) -> None:
     if model_type not in FAMILIES:
         raise ValueError(
-            f"model config {file} has model_type {model_type!r}; supported families: {', '.join(FAMILIES)}"
+            f"model config {source} has model_type {model_type!r}; supported families: {', '.join(FAMILIES)}"
         )
     if family is not None and family != model_type:
-        raise ValueError(f"model family {family!r} was requested but {file} describes a {model_type!r} model")
-    return _CONFIG_CLASSES[model_type].from_dict(values)
+        raise ValueError(f"model family {family!r} was requested but {source} describes a {model_type!r} model")
 
 
 def _apply_overrides(config: PretrainedConfig, vocab_size: int | None, max_positions: int | None) -> None:

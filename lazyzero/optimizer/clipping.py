@@ -10,23 +10,30 @@ reduction per sub-group). Either way the squares are reduced across ranks once, 
 factor goes to the 8-bit optimizer as `grad_scale`, applied inside its fused step.
 A non-finite norm sets `grad_scale` to NaN, which the optimizer treats as "skip this step" on every
 rank (the norm is the same everywhere after the reduction).
+The replacements are installed on one optimizer object through `lazyzero.patch_point`.
 """
 
 from __future__ import annotations
 
 import math
-import types
 from typing import Iterable
 
 import deepspeed.comm as dist
-from deepspeed.accelerator import get_accelerator
 import torch
+from deepspeed.accelerator import get_accelerator
 
 from lazyzero.ops import adam8bit as kernels
+from lazyzero.patch_point import replace_method
 
 SKIP_STEP = float("nan")
 # DeepSpeed's clip formula adds 1e-6 to the norm before dividing; kept so clipped steps match it.
 CLIP_EPSILON = 1e-6
+_OWNER = "lazyzero.optimizer (fused clipping)"
+# Why the fused ZeRO-3 norm may hide TieredZeroOptimizer_Stage3._get_norm_groups (plan/zero_placement.py).
+_OVER_TIERED_NORM = (
+    "the override only puts DeepSpeed's per-sub-group norms back in the parameters' own order before they "
+    "are combined; the fused norm (_stage_3_norm) takes no per-sub-group norms: it sums every parameter's "
+    "gradient partition (or, under offload, its recorded norm) in the parameters' own order already")
 
 
 def global_grad_norm(gradients: Iterable[torch.Tensor | None], group=None, reduce: bool = True) -> torch.Tensor:
@@ -89,37 +96,45 @@ def _stage_1_2_norm(zero_optimizer) -> torch.Tensor:
 
 
 def _stage_3_norm(zero_optimizer) -> torch.Tensor:
+    # The parameters' own order, not the sub-groups': per-layer NVMe placement (zero_placement.py)
+    # reorders sub-groups, and an fp64 sum in another order can differ in the last bit. Without a
+    # placement both orders are the same.
+    params = [p for group in zero_optimizer.trainable_param_groups for p in group["params"]]
     if zero_optimizer.offload_optimizer:
-        # The parameters' own order, not the sub-groups': per-layer NVMe placement (zero_placement.py)
-        # reorders sub-groups, and an fp64 sum in another order can differ in the last bit.
-        params = [p for group in zero_optimizer.trainable_param_groups for p in group["params"]]
         return norm_from_offload_copies(zero_optimizer, params, zero_optimizer.dp_process_group)
-    gradients = [grad for grads in zero_optimizer.averaged_gradients.values() for grad in (grads or [])]
-    return global_grad_norm(gradients, group=zero_optimizer.dp_process_group)
+    partitions = _gradient_partitions_by_parameter(zero_optimizer)
+    return global_grad_norm([partitions.get(id(p)) for p in params], group=zero_optimizer.dp_process_group)
+
+
+def _gradient_partitions_by_parameter(zero_optimizer) -> dict[int, torch.Tensor]:
+    """This rank's reduced gradient partition of each parameter, by id (DeepSpeed keeps them per
+    sub-group in `averaged_gradients`, aligned with `fp16_groups`)."""
+    return {id(param): grad for index, grads in zero_optimizer.averaged_gradients.items()
+            for param, grad in zip(zero_optimizer.fp16_groups[index], grads or [])}
 
 
 def install_on_stage_1_2(zero_optimizer) -> None:
     """Replace the norm and the clip pass of a DeepSpeedZeroOptimizer (stages 1 and 2)."""
 
-    def scaled_global_norm(self, norm_type=2):
+    def scaled_global_norm(norm_type=2):
         assert norm_type == 2, "only the L2 norm is supported"
-        return _stage_1_2_norm(self)
+        return _stage_1_2_norm(zero_optimizer)
 
-    def unscale_and_clip_grads(self, grad_groups_flat, total_norm):
-        _set_grad_scale(self, grad_scale_for(total_norm, self.loss_scale, self.clip_grad))
+    def unscale_and_clip_grads(grad_groups_flat, total_norm):
+        _set_grad_scale(zero_optimizer, grad_scale_for(total_norm, zero_optimizer.loss_scale, zero_optimizer.clip_grad))
 
-    zero_optimizer.scaled_global_norm = types.MethodType(scaled_global_norm, zero_optimizer)
-    zero_optimizer.unscale_and_clip_grads = types.MethodType(unscale_and_clip_grads, zero_optimizer)
+    replace_method(zero_optimizer, "scaled_global_norm", scaled_global_norm, owner=_OWNER)
+    replace_method(zero_optimizer, "unscale_and_clip_grads", unscale_and_clip_grads, owner=_OWNER)
 
 
 def install_on_stage_3(zero_optimizer) -> None:
     """Replace the norm and the clip pass of DeepSpeedZeroOptimizer_Stage3."""
 
-    def get_norm_groups(self):
-        return [_stage_3_norm(self)]
+    def get_norm_groups():
+        return [_stage_3_norm(zero_optimizer)]
 
-    def unscale_and_clip_grads(self, sub_group_id, total_norm):
-        _set_grad_scale(self, grad_scale_for(total_norm, self.loss_scale, self.clip_grad))
+    def unscale_and_clip_grads(sub_group_id, total_norm):
+        _set_grad_scale(zero_optimizer, grad_scale_for(total_norm, zero_optimizer.loss_scale, zero_optimizer.clip_grad))
 
-    zero_optimizer._get_norm_groups = types.MethodType(get_norm_groups, zero_optimizer)
-    zero_optimizer.unscale_and_clip_grads = types.MethodType(unscale_and_clip_grads, zero_optimizer)
+    replace_method(zero_optimizer, "_get_norm_groups", get_norm_groups, owner=_OWNER, over_override=_OVER_TIERED_NORM)
+    replace_method(zero_optimizer, "unscale_and_clip_grads", unscale_and_clip_grads, owner=_OWNER)

@@ -1,6 +1,6 @@
 """The 8-bit optimizer inside the engine: built where DeepSpeed builds its Adam, clipped fused.
 
-`"lazyzero": {"optimizer": {"type": "adam8bit" | "adamw8bit"}}` replaces the Adam/AdamW that
+`"lazyzero": {"optimizer": {"enabled": true, "type": "adamw8bit" | "adam8bit"}}` replaces the Adam/AdamW that
 DeepSpeed's "optimizer" section would build, with its hyper-parameters (lr, betas, eps,
 weight_decay). ZeRO then wraps it like any basic optimizer: it steps fp32 master partitions on the
 device (stages 0-3) or on the host under optimizer offload, where DeepSpeed would run its CPU Adam.
@@ -13,9 +13,9 @@ import math
 from deepspeed.utils.logging import print_dist
 
 from lazyzero.config.cross_checks import ADAM_FAMILY
-from lazyzero.optimizer import Adam8bit, AdamW8bit
-from lazyzero.optimizer import clipping
+from lazyzero.optimizer import Adam8bit, AdamW8bit, clipping
 from lazyzero.optimizer.state_policy import choose_state_precision, split_param_groups
+from lazyzero.patch_point import extend_list
 
 # Keys of DeepSpeed's Adam sections that pick DeepSpeed's implementation, not the mathematics.
 IMPLEMENTATION_KEYS = ("torch_adam", "adam_w_mode", "fp32_optimizer_states", "foreach", "fused", "capturable",
@@ -26,17 +26,16 @@ HYPERPARAMETERS = ("lr", "betas", "eps", "weight_decay")
 def check_optimizer_source(lazyzero_config, client_optimizer, config_class) -> None:
     """Before DeepSpeed builds anything: the 8-bit optimizer needs the config's Adam/AdamW section
     and no optimizer from code (DeepSpeed would silently use that one instead)."""
-    chosen = lazyzero_config.optimizer.type
-    if chosen == "none":
+    if not lazyzero_config.optimizer.enabled:
         return
     if client_optimizer is not None:
         raise ValueError(
-            f"lazyzero.optimizer.type is {chosen!r}, but an optimizer was passed to lazyzero.initialize: the 8-bit "
+            "lazyzero.optimizer.enabled is true, but an optimizer was passed to lazyzero.initialize: the 8-bit "
             "optimizer is built from the config's \"optimizer\" section instead; pass optimizer=None, or set "
-            "lazyzero.optimizer.type to 'none' to keep yours")
+            "lazyzero.optimizer.enabled to false to keep yours")
     name = getattr(config_class, "optimizer_name", None)
     if name is None or name.lower() not in ADAM_FAMILY:
-        raise ValueError(f"lazyzero.optimizer.type {chosen!r} needs an \"optimizer\" section of type Adam or AdamW "
+        raise ValueError("lazyzero.optimizer.enabled: true needs an \"optimizer\" section of type Adam or AdamW "
                          f"in the DeepSpeed config (its hyper-parameters are used); got {name!r}")
 
 
@@ -57,10 +56,9 @@ def build_8bit_optimizer(engine, model_parameters) -> Adam8bit:
 def _declare_zero_support(optimizer_class) -> None:
     """Add our class to DeepSpeed's list of optimizers ZeRO is tested with (else it demands
     zero_allow_untested_optimizer): tests/optimizer/test_engine_8bit.py runs it on every stage."""
-    from deepspeed.runtime.zero.utils import ZERO_SUPPORTED_OPTIMIZERS
+    from deepspeed.runtime.zero import utils
 
-    if optimizer_class not in ZERO_SUPPORTED_OPTIMIZERS:
-        ZERO_SUPPORTED_OPTIMIZERS.append(optimizer_class)
+    extend_list(utils, "ZERO_SUPPORTED_OPTIMIZERS", optimizer_class, owner="lazyzero.optimizer (8-bit Adam)")
 
 
 def _hyperparameters(params: dict) -> dict:

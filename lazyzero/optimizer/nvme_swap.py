@@ -33,6 +33,7 @@ from deepspeed.runtime.swap_tensor.partitioned_optimizer_swapper import Partitio
 from deepspeed.runtime.swap_tensor.utils import swap_in_tensors, swap_out_tensors
 
 from lazyzero.optimizer.adam8bit_optimizer import CODE_KEYS, EIGHT_BIT_KEYS, SCALE_KEYS
+from lazyzero.patch_point import swapped
 
 PACKED_FILE_SUFFIX = ".adam8bit.swp"
 
@@ -188,13 +189,10 @@ def eight_bit_state_swapping() -> Iterator[None]:
     """While active, a ZeRO-3 optimizer being built swaps with `EightBitStateSwapper`.
 
     `DeepSpeedZeroOptimizer_Stage3._configure_tensor_swapping` picks its swapper class from a
-    global of its module at construction; the override lasts only for that construction.
+    global of its module at construction; the swap (through lazyzero.patch_point) lasts only for that
+    construction.
     """
     from deepspeed.runtime.zero import stage3
 
-    original = stage3.PartitionedOptimizerSwapper
-    stage3.PartitionedOptimizerSwapper = EightBitStateSwapper
-    try:
+    with swapped(stage3, "PartitionedOptimizerSwapper", EightBitStateSwapper, owner="lazyzero.optimizer (NVMe swap)"):
         yield
-    finally:
-        stage3.PartitionedOptimizerSwapper = original

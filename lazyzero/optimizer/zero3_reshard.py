@@ -1,4 +1,4 @@
-"""Reload ZeRO-3 optimizer state on a different number of data-parallel ranks (issue 5).
+"""Reload ZeRO-3 optimizer state on a different number of data-parallel ranks (docs/optimizer.md).
 
 DeepSpeed 0.19.8 refuses this without a universal checkpoint (`_load_zero_checkpoint`), and its
 universal conversion treats every optimizer state as an fp32 slice of the partition, which 8-bit

@@ -1,11 +1,20 @@
-"""Memory planner (issue 7): problem -> MILP (python-mip, CBC) -> Plan, with a greedy plan, the
+"""Memory planner (docs/plan.md): problem -> MILP (python-mip, CBC) -> Plan, with a greedy plan, the
 baselines it is compared with, and a step simulator that checks any plan against the budgets."""
 
 from lazyzero.plan.baselines import deepspeed_default_plan, fixed_rule_plan
 from lazyzero.plan.greedy import greedy_plan
 from lazyzero.plan.milp import SolverFoundNoPlan, build_model, solve
-from lazyzero.plan.problem import (ActTransfer, LayerCosts, LayerPlan, Machine, Path, Plan, PlanInfeasible,
-                                      PlanProblem, Tier)
+from lazyzero.plan.problem import (
+                                      ActTransfer,
+                                      LayerCosts,
+                                      LayerPlan,
+                                      Machine,
+                                      Path,
+                                      Plan,
+                                      PlanInfeasible,
+                                      PlanProblem,
+                                      Tier,
+)
 from lazyzero.plan.simulate import BudgetExceeded, StepSimulation, check_within_budgets, simulate
 
 __all__ = [

@@ -1,4 +1,4 @@
-"""Baseline plans the MILP is compared with (issue 7). Neither checks budgets: run
+"""Baseline plans the MILP is compared with (docs/plan.md). Neither checks budgets: run
 `simulate.check_within_budgets` on them, a baseline that overflows is a finding, not an error."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Planning problems corrected by measurements (issue 7).
+"""Planning problems corrected by measurements (docs/plan.md).
 
 `engine_calibrated`, before a run: the profile's engine calibration (real engines of the model cut to
 a few decoder layers, everything in memory, profile_engine.py) against what the problem predicts

@@ -1,4 +1,4 @@
-"""`lazyzero plan` (issue 7, item 5): can this model train on this machine, and how fast?
+"""`lazyzero plan` (docs/plan.md): can this model train on this machine, and how fast?
 
 From a model preset with analytic costs (`--model 7b --gpu-mem 24GB ...`, `costs.py`), or from a
 measured profile (`--profile profile.json`, written by `lazyzero profile` or by a planned run; the

@@ -1,4 +1,4 @@
-"""Analytic costs of a model preset, for `lazyzero plan` before any profile exists (issue 7).
+"""Analytic costs of a model preset, for `lazyzero plan` before any profile exists (docs/plan.md).
 
 Every number here is a formula over the preset's dimensions (`lazyzero.models.presets`) for the
 llama family trained in bf16 with HF's SDPA attention; each formula says where it comes from. The

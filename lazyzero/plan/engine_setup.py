@@ -1,4 +1,4 @@
-"""The memory planner inside `lazyzero.initialize` (`"lazyzero": {"plan": {"enabled": true}}`, issue 7).
+"""The memory planner inside `lazyzero.initialize` (`"lazyzero": {"plan": {"enabled": true}}`, docs/plan.md).
 
 Before DeepSpeed builds anything: profile the model on this machine (or reuse the profile file),
 turn the profile into the planning problem of one rank (`problem_from_profile`), solve it on rank 0
@@ -257,16 +257,34 @@ def _show(active: ActivePlan) -> None:
     print(f"lazyzero plan: wrote {out / 'plan.json'}, {out / 'ds_config.json'}, {out / 'memory.png'}")
 
 
-def planned_zero_placement(engine):
+def planned_zero_placement(active: ActivePlan, model: torch.nn.Module):
     """Around ZeRO-3's construction: only the planned layers' optimizer states and parameters go to NVMe."""
     from contextlib import nullcontext
 
-    placement = zero_placement_of(engine.active_plan, engine.module)
+    placement = zero_placement_of(active, model)
     if placement is None:
         return nullcontext()
     from lazyzero.plan.zero_placement import zero_placement
 
     return zero_placement(placement)
+
+
+def check_planned_config(active: ActivePlan, config_class, model) -> None:
+    """DeepSpeed's parse of the planned config can realize the plan (one step, one placement)."""
+    from lazyzero.config import LazyZeroConfigError
+    from lazyzero.config.errors import Problem
+    from lazyzero.plan.zero_placement import placement_problems
+
+    problems = []
+    if config_class.gradient_accumulation_steps != 1:
+        problems.append(Problem.conflict("gradient_accumulation_steps", config_class.gradient_accumulation_steps,
+                                         "1 while lazyzero.plan.enabled is true",
+                                         "the planner models one forward and backward per optimizer step"))
+    placement = zero_placement_of(active, model)
+    if placement is not None:
+        problems += placement_problems(placement, config_class.zero_config)
+    if problems:
+        raise LazyZeroConfigError(problems)
 
 
 def zero_placement_of(active: ActivePlan | None, model: torch.nn.Module):

@@ -1,4 +1,4 @@
-"""A feasible plan by rules: the MILP's warm start and its feasibility oracle (issue 7).
+"""A feasible plan by rules: the MILP's warm start and its feasibility oracle (docs/plan.md).
 
 Start with everything on the device at the widest allowed width. While the simulator reports a tier
 over its budget, apply the single-layer move that frees bytes on that tier at the lowest estimated
@@ -16,8 +16,16 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import replace
 
-from lazyzero.plan.problem import (RECOMPUTE, LayerPlan, Plan, PlanInfeasible, PlanProblem, optimizer_step_s,
-                                      placement_options, placement_traffic)
+from lazyzero.plan.problem import (
+    RECOMPUTE,
+    LayerPlan,
+    Plan,
+    PlanInfeasible,
+    PlanProblem,
+    optimizer_step_s,
+    placement_options,
+    placement_traffic,
+)
 from lazyzero.plan.simulate import evaluate_layers
 
 # Tiers in the order data is pushed away from the device.

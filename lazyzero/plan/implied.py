@@ -1,4 +1,4 @@
-"""The DeepSpeed config, "lazyzero" section and per-layer placement a plan implies (issue 7).
+"""The DeepSpeed config, "lazyzero" section and per-layer placement a plan implies.
 
 A plan speaks of tiers ("gpu": the memory training computes in, which on a machine without a GPU is
 host memory under the budget; "cpu": host memory beside a GPU; "nvme"). DeepSpeed 0.19.8 offers one
@@ -27,7 +27,7 @@ from lazyzero.plan.problem import Plan, PlanProblem
 DEFAULT_BASE_CONFIG = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "bf16": {"enabled": True}}
 _ACTIVATION_DEFAULTS = ActivationsConfig()
 # DeepSpeed's NVMe parameter swapper needs buffers for every tensor of the layers in flight; the
-# notes (shared/docs/DEEPSPEED_NOTES.md) found about one per tensor of a layer too few.
+# notes (docs/deepspeed-internals.md) found about one per tensor of a layer too few.
 PARAM_SWAP_BUFFERS_PER_TENSOR = 2
 # Buffers of DeepSpeed's NVMe optimizer swapper, each one fp32 partition of the largest swapped
 # sub-group (its default; the planner counts them as the swapper's staging memory).
@@ -75,7 +75,8 @@ def implied_setup(problem: PlanProblem, plan: Plan, base: dict | None = None, *,
         section["activations"] = {**section.get("activations", {}), **activations}
     if any(lp.state_8bit for lp in plan.layers):
         base_type = str(config.get("optimizer", {}).get("type", "adamw")).lower()
-        section["optimizer"] = {**section.get("optimizer", {}), "type": "adam8bit" if base_type == "adam" else "adamw8bit",
+        section["optimizer"] = {**section.get("optimizer", {}), "enabled": True,
+                                "type": "adam8bit" if base_type == "adam" else "adamw8bit",
                                 "fraction_8bit": eight_bit_share(problem, plan)}
     return ImpliedSetup(config, state_layers, param_layers)
 
@@ -158,7 +159,7 @@ def _transient_memory_settings(sizes: ModelSizes, params_on_nvme: bool) -> dict:
     """Gathered parameters are released after each use (the planner gathers them again for the
     backward) and no more than two layers' worth live at once; one layer's gradients fill a bucket;
     one layer's partition per optimizer sub-group. DeepSpeed's NVMe parameter prefetch fails in 0.19.8
-    ("param already assigned swap buffer", DEEPSPEED_NOTES.md), so it is off with parameters on NVMe."""
+    ("param already assigned swap buffer", docs/deepspeed-internals.md), so it is off with parameters on NVMe."""
     layer = sizes.largest_layer_numel
     return {"stage3_max_live_parameters": 2 * layer, "stage3_max_reuse_distance": 0,
             "stage3_prefetch_bucket_size": 0 if params_on_nvme else layer,

@@ -1,4 +1,4 @@
-"""A planning instance shared by the slow solver test and `benchmarks/bench_planner.py` (issue 7's
+"""A planning instance shared by the slow solver test and `benchmarks/bench_planner.py` (docs/plan.md's
 `solve_s_80_layers`): an 80-layer model on one GPU with host memory and NVMe."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The planner's MILP (issue 7), solved with python-mip's CBC.
+"""The planner's MILP (docs/plan.md), solved with python-mip's CBC.
 
 Binaries: per layer one activation option (kept at a width on a tier, or recomputed) and one placement
 (parameter tier x optimizer-state tier x 8-bit state). Continuous: activation bytes copied to and
@@ -17,7 +17,7 @@ the optimizer window (each forward window holds a subset of what the first backw
 Byte quantities enter the model in GB so that CBC's coefficients stay within a few orders of
 magnitude of the seconds they are compared with.
 
-Solving (issue 7 asks for 80 layers in <= 10 s within 1%): an LP relaxation gives a bound and, by
+Solving (docs/plan.md sets the target of 80 layers in <= 10 s within 1%): an LP relaxation gives a bound and, by
 fixing its integral placements, a near-optimal start (_lp_guided_start); CBC then searches with the
 stopping rule stated on the step time (see `solve`).
 """
@@ -35,9 +35,21 @@ from dataclasses import dataclass, field
 import mip
 
 from lazyzero.plan.milp_transfers import GB, add_activation_flows, flow_window, per_layer_transfers
-from lazyzero.plan.problem import (PLACED_KINDS, RECOMPUTE, LayerPlan, Plan, PlanInfeasible, PlanProblem,
-                                      activation_options, blocking_seconds, budget_shortfalls, optimizer_step_s,
-                                      placement_options, placement_traffic, quality_cost)
+from lazyzero.plan.problem import (
+    PLACED_KINDS,
+    RECOMPUTE,
+    LayerPlan,
+    Plan,
+    PlanInfeasible,
+    PlanProblem,
+    activation_options,
+    blocking_seconds,
+    budget_shortfalls,
+    optimizer_step_s,
+    placement_options,
+    placement_traffic,
+    quality_cost,
+)
 
 _STATUS = {mip.OptimizationStatus.OPTIMAL: "optimal", mip.OptimizationStatus.FEASIBLE: "feasible"}
 
@@ -104,7 +116,7 @@ def solve(problem: PlanProblem, time_limit_s: float = 10, max_gap: float = 0.01,
 
 
 def _configure(model: mip.Model, max_gap: float) -> None:
-    """CBC settings, chosen by measurement (issue 7: 80-layer, 7b and 27b instances; threads,
+    """CBC settings, chosen by measurement (docs/plan.md: 80-layer, 7b and 27b instances; threads,
     cut levels and emphasis made no difference or were slower). Preprocessing is off because it
     substitutes the count variables (_add_counts) away, and without them the 7b instance stalls
     at a 1.3-1.5% gap for the whole time limit."""
@@ -385,7 +397,7 @@ def _add_time(problem: PlanProblem, v: _Variables) -> None:
 
 def _add_exposure_floor(v: _Variables, w: int, path: str, load: mip.LinExpr) -> None:
     """exposed[w] >= sum_j c_j x_j - sum_k min(g_k, G) y_k, a valid inequality that tightens the LP
-    relaxation (issue 7, solve time). Window w lasts d0 + sum_k g_k y_k (d0 its constant part, y_k
+    relaxation (docs/plan.md, solve time). Window w lasts d0 + sum_k g_k y_k (d0 its constant part, y_k
     binaries, g_k > 0); binary x_j puts s_j seconds on the path; c_j = max(s_j - d0, 0); G bounds
     sum c_j over any plan (the largest c_j of each layer's option group, one option being chosen).
 

@@ -1,4 +1,4 @@
-"""Activation copies in the planner's MILP (issue 7): bytes per window summed over layers, and the
+"""Activation copies in the planner's MILP (docs/plan.md): bytes per window summed over layers, and the
 per-layer schedule they split back into.
 
 Why one variable per window rather than one per layer and window (the 80-layer instance has 2 x 80

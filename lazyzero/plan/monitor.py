@@ -1,4 +1,4 @@
-"""Measured against predicted (issue 7, item 6): after a few optimizer steps the engine compares the
+"""Measured against predicted (docs/plan.md): after a few optimizer steps the engine compares the
 step time and peak memory it measured with the plan's prediction, logs both, and plans again when
 they differ by more than `plan.replan_margin`.
 
@@ -103,8 +103,8 @@ class PlanMonitor:
     def _replan(self, engine, check: PlanCheck) -> None:
         from lazyzero.plan import PlanInfeasible
         from lazyzero.plan.calibrate import calibrated_problem
-        from lazyzero.plan.implied import implied_setup
         from lazyzero.plan.engine_setup import solve_on_rank_zero
+        from lazyzero.plan.implied import implied_setup
 
         problem = calibrated_problem(self.active.problem, self.active.plan, check.measured_step_s,
                                      check.measured_peak_bytes)
@@ -121,7 +121,7 @@ class PlanMonitor:
             return
         setup = implied_setup(problem, plan, base=self.active.setup.ds_config,
                               nvme_path=self.settings.nvme_path)
-        engine.apply_activation_plan(setup.ds_config.get("lazyzero", {}).get("activations"))
+        engine.lazyzero_reconfigure("activations", setup.ds_config.get("lazyzero", {}).get("activations"))
         self.active.problem, self.active.plan = problem, plan
         self._plan_index += 1
         if engine.global_rank == 0:

@@ -1,4 +1,4 @@
-"""The memory planner's problem and its answer (issue 7).
+"""The memory planner's problem and its answer (docs/plan.md).
 
 A training step is cut into 2L + 1 windows: the forward of layers 0..L-1 (windows 0..L-1), the
 backward of layers L-1..0 (windows L..2L-1), and one optimizer window (2L). Each window lasts as long
@@ -161,7 +161,7 @@ class Machine:
     gpu_adam8_s_per_byte: float | None = None
     nvme_swaps_block: bool = False
     """DeepSpeed's NVMe swaps of parameters and optimizer state wait for their reads and writes (its
-    parameter prefetch is off, DEEPSPEED_NOTES.md; lazyzero's 8-bit states use the non-pipelined
+    parameter prefetch is off, docs/deepspeed-internals.md; lazyzero's 8-bit states use the non-pipelined
     swapper): their seconds add to the window's time instead of overlapping its compute."""
     nvme_state_takes_grads: bool = False
     """Without a host tier, a layer whose optimizer state is on NVMe has its gradients written there
@@ -230,7 +230,7 @@ class PlanProblem:
     # Set where there is a host tier beside the device; without one, "off the device" is NVMe alone.
     offload_all_or_none: bool = False
     # Tiers parameters may live on (None: every tier), e.g. not NVMe for an fp32 model on a machine
-    # without a GPU, where DeepSpeed 0.19.8's NVMe parameter swapper fails (DEEPSPEED_NOTES.md).
+    # without a GPU, where DeepSpeed 0.19.8's NVMe parameter swapper fails (docs/deepspeed-internals.md).
     param_tiers: tuple[str, ...] | None = None
     # Per layer, the Placement (param tier, state tier, 8-bit) a running engine cannot change any
     # more, or None where the planner is free; re-planning fixes all of them (calibrate.py).

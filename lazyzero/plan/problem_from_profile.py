@@ -1,4 +1,4 @@
-"""The planning problem of one ZeRO-3 rank, from a measured profile (issue 7).
+"""The planning problem of one ZeRO-3 rank, from a measured profile (docs/plan.md).
 
 `problem_from_profile` turns a `ModelProfile` (what one rank measured for one micro-batch) and the
 budgets into a `PlanProblem`, in the bytes and seconds of one rank of a `world_size`-rank ZeRO-3 job:
@@ -99,7 +99,7 @@ def problem_from_profile(profile: ModelProfile, budgets: Budgets, shape: RankSha
 
 def _parameter_tiers(machine: Machine, shape: RankShape) -> tuple[str, ...] | None:
     """DeepSpeed 0.19.8 cannot swap fp32 parameters to NVMe on its CPU accelerator (it builds the
-    swapper for bf16: "Float and BFloat16", DEEPSPEED_NOTES.md), so an fp32 model there keeps them."""
+    swapper for bf16: "Float and BFloat16", docs/deepspeed-internals.md), so an fp32 model there keeps them."""
     if "nvme" in machine.tiers and not machine.has_host and shape.dtype == "float32":
         return tuple(t for t in machine.tiers if t != "nvme")
     return None
@@ -315,7 +315,7 @@ def feature_workspace_bytes(profile: ModelProfile, ds_config: dict, shape: RankS
       `checkpoint.host_buffer_limit` when that is smaller."""
     gradients = ((ds_config.get("lazyzero") or {}).get("gradients")) or {}
     held = 0
-    if gradients.get("quantize", "none") == "int8":
+    if gradients.get("enabled") is True:
         held += INT8_EXCHANGE_SCRATCH_BYTES_PER_ELEMENT * model_sizes(profile, 1).largest_layer_numel
         held += _residual_bytes(profile, ds_config)
     return held + lazy_snapshot_bytes(profile, ds_config, shape)
@@ -323,7 +323,7 @@ def feature_workspace_bytes(profile: ModelProfile, ds_config: dict, shape: RankS
 
 def _residual_bytes(profile: ModelProfile, ds_config: dict) -> int:
     gradients = ((ds_config.get("lazyzero") or {}).get("gradients")) or {}
-    if gradients.get("quantize", "none") != "int8" or not gradients.get("error_feedback", False):
+    if gradients.get("enabled") is not True or not gradients.get("error_feedback", False):
         return 0
     return FP32_BYTES * sum(row.param_numel for row in profile.layers)
 
@@ -331,7 +331,7 @@ def _residual_bytes(profile: ModelProfile, ds_config: dict) -> int:
 def lazy_snapshot_bytes(profile: ModelProfile, ds_config: dict, shape: RankShape) -> int:
     """Host bytes of one lazy checkpoint's snapshot on a rank (0 without lazy checkpoints)."""
     checkpoint = ((ds_config.get("lazyzero") or {}).get("checkpoint")) or {}
-    if checkpoint.get("mode", "deepspeed") != "lazy":
+    if checkpoint.get("enabled") is not True:
         return 0
     total = sum(row.param_numel for row in profile.layers)
     per_element = _DTYPE_BYTES[shape.dtype] + 2 * FP32_BYTES + (FP32_BYTES if shape.mixed_precision else 0)

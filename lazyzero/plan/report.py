@@ -1,4 +1,4 @@
-"""What `lazyzero plan` shows and writes (issue 7): the plan as a table, a plot of memory per tier
+"""What `lazyzero plan` shows and writes (docs/plan.md): the plan as a table, a plot of memory per tier
 over the step, and the baselines' predictions beside it (the DeepSpeed config a plan implies is
 `implied.py`'s)."""
 

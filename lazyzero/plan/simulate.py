@@ -22,9 +22,17 @@ from __future__ import annotations
 from collections import Counter, defaultdict
 from dataclasses import dataclass
 
-from lazyzero.plan.problem import (ActTransfer, LayerPlan, Plan, PlanProblem, blocking_seconds,
-                                      check_offload_all_or_none, optimizer_step_s, placement_traffic,
-                                      quality_cost)
+from lazyzero.plan.problem import (
+    ActTransfer,
+    LayerPlan,
+    Plan,
+    PlanProblem,
+    blocking_seconds,
+    check_offload_all_or_none,
+    optimizer_step_s,
+    placement_traffic,
+    quality_cost,
+)
 
 # Relative slack when checking that a schedule moves exactly what it must (solver round-off).
 SCHEDULE_RTOL = 1e-6

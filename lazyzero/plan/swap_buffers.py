@@ -1,4 +1,4 @@
-"""Host memory DeepSpeed 0.19.8's NVMe swappers hold for as long as the engine lives (issue 7).
+"""Host memory DeepSpeed 0.19.8's NVMe swappers hold for as long as the engine lives (docs/plan.md).
 
 Found on a planned run of a 103M-parameter bf16 Llama on 2 CPU ranks, by listing the live tensors
 between two steps: 286 MB per rank that the planner did not count, all of it swap buffers allocated

@@ -1,5 +1,5 @@
 """Per-layer tiers under ZeRO-3: which parameters keep their optimizer state, and their 16-bit
-partitions, on NVMe, and which in memory (issue 7, "per-layer parameter tiers").
+partitions, on NVMe, and which in memory (docs/plan.md, "per-layer parameter tiers").
 
 DeepSpeed 0.19.8 has one device for all optimizer state (`offload_optimizer.device`) and one for all
 parameters (`offload_param.device`). With NVMe it swaps every sub-group (a stretch of about
@@ -48,9 +48,11 @@ from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 from deepspeed.utils.logging import print_dist
 
 from lazyzero.config.errors import LazyZeroConfigError, Problem
+from lazyzero.patch_point import swapped
 
 OPTIMIZER_DEVICE = "zero_optimization.offload_optimizer.device"
 PARAM_DEVICE = "zero_optimization.offload_param.device"
+_OWNER = "lazyzero.plan (ZeRO-3 placement)"
 
 
 @dataclass(frozen=True)
@@ -82,7 +84,7 @@ def names_under(parameter_names: Iterable[str], modules: Iterable[str]) -> froze
 
 def placement_problems(placement: ZeroPlacement, zero_config) -> list[Problem]:
     """What in DeepSpeed's ZeRO settings (`DeepSpeedZeroConfig`) cannot realize `placement`; for a
-    check before anything is built (RELIABILITY promise 6)."""
+    check before anything is built (docs/reliability.md, guarantee 6)."""
     problems = []
     if int(zero_config.stage) != 3:
         problems.append(Problem.conflict("zero_optimization.stage", int(zero_config.stage), "3",
@@ -121,9 +123,9 @@ def zero_placement(placement: Optional[ZeroPlacement], zero_config=None) -> Iter
     was built (stage 1 or 2, or an engine without an optimizer, which only partitions parameters).
 
     The engine imports the stage-3 class from its module inside `_configure_zero_optimizer`; the
-    override lasts only for that construction. Model parameters are converted to ZeRO parameters
-    within the same construction (`DeepSpeedZeRoOffload`, when the model was not built under
-    zero.Init), so this also covers parameter placement.
+    swap (through lazyzero.patch_point) lasts only for that construction. Model parameters are
+    converted to ZeRO parameters within the same construction (`DeepSpeedZeRoOffload`, when the model
+    was not built under zero.Init), so this also covers parameter placement.
     """
     if placement is None:
         yield
@@ -145,12 +147,8 @@ def zero_placement(placement: Optional[ZeroPlacement], zero_config=None) -> Iter
         built.append(TieredZeroOptimizer_Stage3(*args, placement=placement, **kwargs))
         return built[-1]
 
-    original = stage3.DeepSpeedZeroOptimizer_Stage3
-    stage3.DeepSpeedZeroOptimizer_Stage3 = build_tiered
-    try:
+    with swapped(stage3, "DeepSpeedZeroOptimizer_Stage3", build_tiered, owner=_OWNER):
         yield
-    finally:
-        stage3.DeepSpeedZeroOptimizer_Stage3 = original
     if not built:
         raise LazyZeroConfigError([Problem("zero_optimization.stage", (
             "a ZeRO placement needs stage 3 and an optimizer; no ZeRO-3 optimizer was built, so nothing was "
@@ -236,6 +234,8 @@ class TieredZeroOptimizer_Stage3(DeepSpeedZeroOptimizer_Stage3):
         if self._param_nvme_ids is None:
             return norms
         # combine_grad_norm_groups reduces the list in order: keep DeepSpeed's (unsorted) order.
+        # With the 8-bit optimizer's fused clipping this method is replaced on the object; the patch
+        # point refuses that unless clipping.py says why it is correct (`_OVER_TIERED_NORM` there).
         return [norms[index] for index in self._natural_order()]
 
     def _natural_order(self) -> list[int]:
@@ -338,8 +338,5 @@ def _parameters_partitioned_by_placement(nvme_ids: Optional[set[int]]) -> Iterat
         finally:
             init.remote_device = remote_device
 
-    Init._partition_param = partition_param
-    try:
+    with swapped(Init, "_partition_param", partition_param, owner=_OWNER):
         yield
-    finally:
-        Init._partition_param = original

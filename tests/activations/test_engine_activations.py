@@ -1,5 +1,5 @@
-"""Saved-activation quantization in real 2-rank DeepSpeed runs on every ZeRO stage (issue 6, item 3),
-and the offload of a layer's stored activations to NVMe (issue 7).
+"""Saved-activation quantization in real 2-rank DeepSpeed runs on every ZeRO stage (docs/activations.md),
+and the offload of a layer's stored activations to NVMe (docs/plan.md).
 
 tests/activations/activations_worker.py trains the tiny Llama 3 steps with activations off and on from
 the same seed and data. Packing changes nothing in forward, so the first loss must be identical; the

@@ -1,4 +1,4 @@
-"""Offload of stored activations to NVMe with prefetch (lazyzero/activations/offload.py, issue 7).
+"""Offload of stored activations to NVMe with prefetch (lazyzero/activations/offload.py, docs/plan.md).
 
 The tiny Llama (2 decoder layers) runs forward and backward under the packer with layers offloaded
 to files under a test folder, against the same policy without offload: the bytes that come back are

@@ -13,11 +13,13 @@ from lazyzero.app.data import (
     IGNORE_INDEX,
     ByteTokenizer,
     Difficulty,
+    Problem,
     TokenizedExamples,
     exact_match_accuracy,
     extract_answer,
     format_example,
     format_prompt,
+    format_solution,
     generate_problems,
     greedy_generate,
     load_texts,
@@ -152,14 +154,16 @@ def test_load_tokenizer_errors_name_the_path(tmp_path):
         load_tokenizer(str(tmp_path))
 
 
-def save_word_level_tokenizer(folder, with_pad: bool):
+def save_word_level_tokenizer(folder, with_pad: bool, chat_template: str | None = None):
     """A WordLevel tokenizer trained offline on a few strings, saved as an HF tokenizer folder."""
     specials = ["[UNK]", "<s>", "</s>"] + (["<pad>"] if with_pad else [])
     rust = RustTokenizer(models.WordLevel(unk_token="[UNK]"))
     rust.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    rust.train_from_iterator(["Tom has 3 apples", "Ana has 4 pens"], trainers.WordLevelTrainer(special_tokens=specials))
+    rust.train_from_iterator(["Tom has 3 apples", "Ana has 4 pens", "user assistant"],
+                             trainers.WordLevelTrainer(special_tokens=specials))
     extra = {"pad_token": "<pad>"} if with_pad else {}
     hf = PreTrainedTokenizerFast(tokenizer_object=rust, unk_token="[UNK]", bos_token="<s>", eos_token="</s>", **extra)
+    hf.chat_template = chat_template
     hf.save_pretrained(folder)
 
 
@@ -170,10 +174,30 @@ def test_local_tokenizer_folder_behaves_like_the_byte_tokenizer(tmp_path, with_p
     ids = tokenizer.encode("Tom has 4 pens", add_bos=True, add_eos=True)
     assert ids[0] == tokenizer.bos_id and ids[-1] == tokenizer.eos_id and len(ids) == 6
     assert tokenizer.decode(ids) == "Tom has 4 pens"
-    words = {"Tom", "Ana", "has", "3", "4", "apples", "pens"}
+    words = {"Tom", "Ana", "has", "3", "4", "apples", "pens", "user", "assistant"}
     assert tokenizer.vocab_size == len(words) + (4 if with_pad else 3)
     # Special tokens come first in the trained vocabulary: [UNK] 0, <s> 1, </s> 2, <pad> 3.
     assert tokenizer.pad_id == (3 if with_pad else tokenizer.eos_id)
+
+
+CHAT_TEMPLATE = ("{% for m in messages %}<s>{{ m['role'] }} {{ m['content'] }}</s>{% endfor %}"
+                 "{% if add_generation_prompt %}<s>assistant {% endif %}")
+
+
+def test_a_model_folder_brings_its_own_tokenizer_and_chat_template(tmp_path):
+    build_model("tiny").save_pretrained(tmp_path)
+    assert isinstance(load_tokenizer(None, model=str(tmp_path)), ByteTokenizer)  # weights without a tokenizer
+    assert isinstance(load_tokenizer(None, model="tiny"), ByteTokenizer)
+    save_word_level_tokenizer(tmp_path, with_pad=True, chat_template=CHAT_TEMPLATE)
+    tokenizer = load_tokenizer(None, model=str(tmp_path))
+    problem = Problem(question="Tom has 3 apples", steps=("3+4=<<3+4=7>>7",), answer=7)
+    prompt = format_prompt(problem, tokenizer.chat)
+    assert prompt == "<s>user Tom has 3 apples</s><s>assistant "
+    assert format_example(problem, tokenizer.chat) == f"{prompt}{format_solution(problem)}</s>"
+    # The template writes bos and eos itself: a framed text gets neither added.
+    framed = TokenizedExamples([prompt], tokenizer, seq_len=12, framed=True)[0]["input_ids"].tolist()
+    assert framed[:2] == [tokenizer.bos_id, tokenizer.encode("user", add_bos=False)[0]]
+    assert framed.count(tokenizer.eos_id) == 1
 
 
 # ---------------------------------------------------------------- data files

@@ -14,9 +14,9 @@ from pathlib import Path
 import deepspeed
 import torch
 
-from lazyzero.config import load_ds_config_file
 from lazyzero.app.data_order import StepBatches
 from lazyzero.app.trainer import load_training_inputs
+from lazyzero.config import load_ds_config_file
 from lazyzero.testing import destroy_engine, worker_args
 from lazyzero.train import build_parser
 

@@ -1,7 +1,7 @@
-"""Lazy checkpoints under faults, on 2 real ranks (RELIABILITY.md rows 1, 3, 4, 5; tests/checkpoint/).
+"""Lazy checkpoints under faults, on 2 real ranks (docs/reliability.md rows 1, 3, 4, 5; tests/checkpoint/).
 
 A small MLP (fixed seed, data drawn from the step number and the rank) trains with ZeRO-1/2/3 and
-`"lazyzero": {"checkpoint": {"mode": "lazy"}}`; tag `step<n>` is saved after step n with
+`"lazyzero": {"checkpoint": {"enabled": true}}`; tag `step<n>` is saved after step n with
 client_state {"step": n}. The reference of a saved step is this rank's state at that step, taken
 synchronously just before the save (`state_of`): parameters (ZeRO-3: this rank's partition), the
 optimizer's state_dict (fp32 master partition, Adam moments, hyperparameters), the LR scheduler,
@@ -43,8 +43,8 @@ import torch.distributed as dist
 
 import lazyzero
 from lazyzero.checkpoint import commit, durable_io, faults, lazy_engine
-from lazyzero.checkpoint.lazy_engine import CheckpointFailedError
 from lazyzero.checkpoint.folder_layout import TEMP_PREFIX, read_latest
+from lazyzero.checkpoint.lazy_engine import CheckpointFailedError
 from lazyzero.checkpoint.manifest import committed_tags
 from lazyzero.checkpoint.rank_state import rank_state_path
 from lazyzero.testing import destroy_engine, worker_args
@@ -71,7 +71,7 @@ def ds_config(stage: int, **checkpoint) -> dict:
                       "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 1e-2, "warmup_num_steps": 50}},
         "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
         "steps_per_print": 10**9,
-        "lazyzero": {"checkpoint": {"mode": "lazy", **checkpoint}},
+        "lazyzero": {"checkpoint": {"enabled": True, **checkpoint}},
     }
 
 

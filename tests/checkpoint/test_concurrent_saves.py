@@ -1,4 +1,4 @@
-"""RELIABILITY.md row 5: parameters change while a flush is slow, and saves come during flushes.
+"""docs/reliability.md row 5: parameters change while a flush is slow, and saves come during flushes.
 
 One 2-rank launch (tests/checkpoint/lazy_ckpt_worker.py, mode slow_writer) runs several seeded runs of
 16 steps with ZeRO-1 or ZeRO-2: saves at random steps (always two on consecutive steps), each file

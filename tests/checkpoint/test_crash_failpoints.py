@@ -1,4 +1,4 @@
-"""RELIABILITY.md row 1: SIGKILL at each failpoint of a lazy save, then a fresh run resumes (2 real ranks).
+"""docs/reliability.md row 1: SIGKILL at each failpoint of a lazy save, then a fresh run resumes (2 real ranks).
 
 Each case trains 6 steps and saves step2, step4, step6 (tests/checkpoint/lazy_ckpt_worker.py, mode
 train); LAZYZERO_FAILPOINT=NAME@RANK#N SIGKILLs RANK at the N-th checkpoint (step<2N>). Then the job

@@ -1,4 +1,4 @@
-"""RELIABILITY rows 2 and 7 on a real 2-rank lazy checkpoint (tests/checkpoint/conftest.py).
+"""docs/reliability.md, what is tested and 7 on a real 2-rank lazy checkpoint (tests/checkpoint/conftest.py).
 
 Row 2: every injected fault (flipped bit, truncated, emptied, deleted, foreign or swapped shard,
 damaged manifest) is caught, and the error names the file, what was expected and what was found;

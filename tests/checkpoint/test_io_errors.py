@@ -1,4 +1,4 @@
-"""RELIABILITY.md rows 3 and 4: injected I/O errors and a failing writer thread during lazy saves.
+"""docs/reliability.md rows 3 and 4: injected I/O errors and a failing writer thread during lazy saves.
 
 One 2-rank launch (tests/checkpoint/lazy_ckpt_worker.py, mode errors) runs every case on one ZeRO-2
 engine: per I/O case a clean save, then a save whose N-th write, fsync or rename on one rank (or

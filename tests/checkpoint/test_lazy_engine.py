@@ -6,8 +6,8 @@ import pytest
 import torch
 from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo
 
-from lazyzero.checkpoint.lazy_engine import LazyCheckpointEngine
 from lazyzero.checkpoint.folder_layout import read_latest
+from lazyzero.checkpoint.lazy_engine import LazyCheckpointEngine
 from lazyzero.checkpoint.manifest import verify_checkpoint
 from lazyzero.checkpoint.snapshot import HostBufferLimitError
 from lazyzero.checkpoint.staged_io import BLOCK_BYTES
@@ -15,7 +15,7 @@ from lazyzero.config.models import CheckpointConfig
 
 
 def _engine(on_cuda=False, **config) -> LazyCheckpointEngine:
-    return LazyCheckpointEngine(CheckpointConfig(mode="lazy", **config), rank=0, world_size=1, on_cuda=on_cuda)
+    return LazyCheckpointEngine(CheckpointConfig(enabled=True, **config), rank=0, world_size=1, on_cuda=on_cuda)
 
 
 def _save(engine, save_dir, tag, state, step=1):

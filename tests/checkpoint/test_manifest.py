@@ -7,8 +7,16 @@ import pytest
 
 from lazyzero.checkpoint.durable_io import hash_file
 from lazyzero.checkpoint.folder_layout import MANIFEST_NAME, temp_dir, trash_dir
-from lazyzero.checkpoint.manifest import (CheckpointDamagedError, Manifest, committed_tags, find_problems,
-                                          list_checkpoints, read_manifest, resolve_tag_to_load, verify_checkpoint)
+from lazyzero.checkpoint.manifest import (
+    CheckpointDamagedError,
+    Manifest,
+    committed_tags,
+    find_problems,
+    list_checkpoints,
+    read_manifest,
+    resolve_tag_to_load,
+    verify_checkpoint,
+)
 
 FILES = {"model.pt": b"model bytes " * 50, "optim/rank0.pt": bytes(range(256)) * 4}
 

@@ -43,7 +43,7 @@ def nvme_config(nvme_path: Path) -> dict:
         "aio": {"block_size": 1 << 20, "queue_depth": 8, "intra_op_parallelism": 1, "single_submit": False,
                 "overlap_events": True},
         "steps_per_print": 1_000_000,
-        "lazyzero": {"checkpoint": {"mode": "lazy"}},
+        "lazyzero": {"checkpoint": {"enabled": True}},
     }
 
 

@@ -1,4 +1,4 @@
-"""RELIABILITY row 6: kill at step k, resume from the lazy checkpoint: the next 20 losses are bit-equal
+"""docs/reliability.md, what is tested: kill at step k, resume from the lazy checkpoint: the next 20 losses are bit-equal
 to those of an uninterrupted run, on ZeRO stages 1, 2 and 3 (lazyzero.train, 2 real ranks).
 
 At stage 3 the run is really killed (SIGKILL on rank 0 while its second checkpoint is being written,

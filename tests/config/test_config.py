@@ -1,8 +1,8 @@
-"""The "lazyzero" config section: defaults, rejection of bad configs (RELIABILITY row 13 and 11),
+"""The "lazyzero" config section: defaults, rejection of bad configs (docs/reliability.md, what is tested and 11),
 the memory-size parser, the generated reference, and DeepSpeed's view of the same file.
 
 Every rejection is checked for the exact key path and the allowed-values text on the same line, and
-for leaving the disk untouched (RELIABILITY promise 6).
+for leaving the disk untouched (docs/reliability.md, guarantee 6).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from lazyzero.config import (
     parse_memory_size,
     validate_ds_config,
 )
-from lazyzero.config.models import FEATURE_SWITCHES
+from lazyzero.config.models import FEATURES
 from lazyzero.config.release import NOT_YET_AVAILABLE
 
 DEMO_CONFIG = os.path.join(os.path.dirname(__file__), "..", "..", "ds_configs", "cpu_demo.json")
@@ -82,23 +82,57 @@ def test_validation_imports_neither_torch_nor_deepspeed():
 
 
 def test_enabled_features_lists_switched_on_sections_in_order():
-    config = LazyZeroConfig(checkpoint={"mode": "lazy"}, gradients={"quantize": "int8"})
+    config = LazyZeroConfig(checkpoint={"enabled": True}, gradients={"enabled": True})
     assert config.enabled_features() == ["gradients", "checkpoint"]
-    assert "gradients    on " in format_config_summary(config)
+    assert "  gradients    on" in format_config_summary(config).splitlines()
+    every = LazyZeroConfig(**{section: {"enabled": True} for section in reversed(FEATURES)})
+    assert every.enabled_features() == ["plan", "activations", "gradients", "optimizer", "checkpoint"]
+
+
+def test_every_capability_is_switched_by_enabled_and_off_by_default():
+    for section in FEATURES:
+        field = LazyZeroConfig.model_fields[section].annotation.model_fields["enabled"]
+        assert field.annotation is bool and field.default is False, section
+    assert LazyZeroConfig(optimizer={"enabled": True}).optimizer.type == "adamw8bit"
+
+
+GRADIENTS_HINT = "removed; use lazyzero.gradients.enabled: true (int8 is the wire format)"
+CHECKPOINT_HINT = "removed; use lazyzero.checkpoint.enabled: true for lazy checkpoints (false: DeepSpeed's own)"
+RETIRED_SPELLINGS = [
+    ({"gradients": {"quantize": "int8"}}, f"lazyzero.gradients.quantize: {GRADIENTS_HINT}"),
+    ({"gradients": {"quantize": "none", "block_size": 512}}, f"lazyzero.gradients.quantize: {GRADIENTS_HINT}"),
+    ({"checkpoint": {"mode": "lazy"}}, f"lazyzero.checkpoint.mode: {CHECKPOINT_HINT}"),
+    ({"checkpoint": {"mode": "deepspeed"}}, f"lazyzero.checkpoint.mode: {CHECKPOINT_HINT}"),
+    ({"optimizer": {"type": "none"}}, "lazyzero.optimizer.type: got 'none'; allowed: one of 'adamw8bit', 'adam8bit' "
+                                      "(switch the 8-bit optimizer off with lazyzero.optimizer.enabled: false)"),
+]
+
+
+@pytest.mark.parametrize("section, line", RETIRED_SPELLINGS)
+def test_retired_switch_spellings_are_refused_naming_the_new_key(section, line):
+    with pytest.raises(LazyZeroConfigError) as caught:
+        validate_ds_config({"lazyzero": section})
+    assert caught.value.problems == [line]
+
+
+def test_a_value_close_to_a_retired_one_gets_no_hint():
+    with pytest.raises(LazyZeroConfigError) as caught:
+        validate_ds_config({"lazyzero": {"optimizer": {"type": "sgd"}}})
+    assert caught.value.problems == ["lazyzero.optimizer.type: got 'sgd'; allowed: one of 'adamw8bit', 'adam8bit'"]
 
 
 def test_release_gate_rows_name_feature_switches_and_their_off_values():
     # A gated value must be the default, or an untouched config would be rejected.
     for key_path, (value_allowed_now, issue) in NOT_YET_AVAILABLE.items():
         section, switch = key_path.split(".")
-        assert FEATURE_SWITCHES[section] == switch
+        assert section in FEATURES and switch == "enabled"
         model = type(getattr(LazyZeroConfig(), section))
         assert model.model_fields[switch].default == value_allowed_now
         assert isinstance(issue, int)
 
 
 def test_int8_gradients_pass_the_release_gate():
-    config = validate_ds_config({"lazyzero": {"gradients": {"quantize": "int8", "stochastic_rounding": True}}})
+    config = validate_ds_config({"lazyzero": {"gradients": {"enabled": True, "stochastic_rounding": True}}})
     assert config.enabled_features() == ["gradients"]
 
 
@@ -142,16 +176,16 @@ def test_planned_checkpoint_traffic_needs_lazy_checkpoints():
     planned = {"plan": {**PLANNED["plan"], "checkpoint_every": 50}}
     with pytest.raises(LazyZeroConfigError) as caught:
         validate_ds_config({"zero_optimization": {"stage": 3}, "lazyzero": planned})
-    problem_line(caught.value, "lazyzero.plan.checkpoint_every", "got 50; allowed: null unless lazyzero.checkpoint.mode is 'lazy'")
+    problem_line(caught.value, "lazyzero.plan.checkpoint_every", "got 50; allowed: null unless lazyzero.checkpoint.enabled is true")
     config = validate_ds_config({"zero_optimization": {"stage": 3},
-                                 "lazyzero": {**planned, "checkpoint": {"mode": "lazy"}}})
+                                 "lazyzero": {**planned, "checkpoint": {"enabled": True}}})
     assert config.plan.checkpoint_every == 50
 
 
 def test_lazyzero_train_plans_for_its_sequences_and_save_interval():
     from lazyzero.train import plan_for_the_run
 
-    ds_config = {"lazyzero": {"plan": {"enabled": True}, "checkpoint": {"mode": "lazy"}}}
+    ds_config = {"lazyzero": {"plan": {"enabled": True}, "checkpoint": {"enabled": True}}}
     plan_for_the_run(ds_config, seq_len=192, save_every=50)
     assert ds_config["lazyzero"]["plan"] == {"enabled": True, "seq_len": 192, "checkpoint_every": 50}
     without_lazy = {"lazyzero": {"plan": {"enabled": True}}}
@@ -185,8 +219,9 @@ BAD_CONFIGS = [
     ({"plan": {"gpu_memory": "1GB"}}, "lazyzero.plan.gpu_memory", "did you mean 'gpu_mem'?"),
     ({"activations": {"overides": {}}}, "lazyzero.activations.overides", "did you mean 'overrides'?"),
     ({"checkpoint": {"keep_lsat": 2}}, "lazyzero.checkpoint.keep_lsat",
-     "allowed keys: host_buffer_limit, keep_last, max_in_flight, mode, verify_on_load, writer_threads"),
-    ({"optimizer": {"Type": "none"}}, "lazyzero.optimizer.Type", "did you mean 'type'?"),
+     "allowed keys: enabled, host_buffer_limit, keep_last, max_in_flight, verify_on_load, writer_threads"),
+    ({"optimizer": {"Type": "adam8bit"}}, "lazyzero.optimizer.Type", "did you mean 'type'?"),
+    ({"gradients": {"enable": True}}, "lazyzero.gradients.enable", "did you mean 'enabled'?"),
     # DeepSpeedConfigModel would swallow a key named "strict"; ours must not.
     ({"plan": {"strict": True}}, "lazyzero.plan.strict", "unknown key; allowed keys: allow_8bit_optimizer, allow_recompute"),
     # wrong types
@@ -229,7 +264,8 @@ BAD_CONFIGS = [
      "got nothing; allowed: an existing directory this process can write to when a layer of "
      "lazyzero.activations.offload_layers is 'nvme'"),
     ({"checkpoint": {"max_in_flight": 0}}, "lazyzero.checkpoint.max_in_flight", "got 0; allowed: an integer >= 1"),
-    ({"gradients": {"quantize": "INT8"}}, "lazyzero.gradients.quantize", "got 'INT8'; allowed: one of 'none', 'int8'"),
+    ({"gradients": {"enabled": "int8"}}, "lazyzero.gradients.enabled", "got 'int8'; allowed: true or false"),
+    ({"optimizer": {"type": "AdamW8bit"}}, "lazyzero.optimizer.type", "got 'AdamW8bit'; allowed: one of 'adamw8bit', 'adam8bit'"),
     # bad memory sizes
     ({"plan": {"gpu_mem": "70 parsecs"}}, "lazyzero.plan.gpu_mem", "allowed: a byte count > 0, or a string like '70GB'"),
     ({"plan": {"cpu_mem": "auto"}}, "lazyzero.plan.cpu_mem", "got 'auto'; allowed: a byte count > 0"),
@@ -240,13 +276,15 @@ BAD_CONFIGS = [
      "got '1MB'; allowed: a byte count >= 8388608 (one 8 MiB staging block)"),
     # features whose runtime has not landed
     ({"gradients": {"error_feedback": True}}, "lazyzero.gradients.error_feedback",
-     "got true; allowed: false while lazyzero.gradients.quantize is 'none'"),
+     "got true; allowed: false while lazyzero.gradients.enabled is false"),
     # the planner's own settings, and what it decides in the user's stead
     ({"plan": {"enabled": True}}, "lazyzero.plan.seq_len", "got nothing; allowed: an integer >= 1 (the sequence length"),
     ({"plan": {"enabled": True, "seq_len": 64}, "activations": {"default_bits": 8}}, "lazyzero.activations.default_bits",
      "got 8; allowed: absent (conflict with the DeepSpeed settings around it: the planner sets it when lazyzero.plan.enabled"),
     ({"plan": {"enabled": True, "seq_len": 64}, "optimizer": {"type": "adamw8bit"}}, "lazyzero.optimizer.type",
      "the planner sets it when lazyzero.plan.enabled is true; remove it, or switch the planner off"),
+    ({"plan": {"enabled": True, "seq_len": 64}, "optimizer": {"enabled": False}}, "lazyzero.optimizer.enabled",
+     "got false; allowed: absent (conflict with the DeepSpeed settings around it: the planner sets it"),
     ({"plan": {"allowed_bits": [16, 2]}}, "lazyzero.plan.allowed_bits[1]", "got 2; allowed: one of 4, 8, 16"),
     ({"plan": {"measure_steps": 0}}, "lazyzero.plan.measure_steps", "got 0; allowed: an integer >= 1"),
     # lazyzero paths on this machine
@@ -281,25 +319,25 @@ DEEPSPEED_CONFLICTS = [
      "zero_optimization.offload_optimizer.nvme_path", "allowed: an existing directory this process can write to (it does not exist"),
     ({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": "{tmp}/a_file"}}},
      "zero_optimization.offload_param.nvme_path", "(it is not a directory)"),
-    ({"optimizer": {"type": "SGD"}, "lazyzero": {"optimizer": {"type": "adam8bit"}}}, "lazyzero.optimizer.type",
-     "allowed: 'none' unless optimizer.type is Adam or AdamW (conflict with the DeepSpeed settings around it"),
+    ({"optimizer": {"type": "SGD"}, "lazyzero": {"optimizer": {"enabled": True, "type": "adam8bit"}}}, "lazyzero.optimizer.enabled",
+     "got true; allowed: false unless optimizer.type is Adam or AdamW (conflict with the DeepSpeed settings around it"),
     ({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": "{tmp}", "pipeline_read": True}},
-      "lazyzero": {"optimizer": {"type": "adamw8bit"}}}, "lazyzero.optimizer.type",
-     "allowed: 'none' while zero_optimization.offload_optimizer.pipeline_read is true"),
-    ({"zero_optimization": {"stage": 2, "elastic_checkpoint": True}, "lazyzero": {"optimizer": {"type": "adam8bit"}}},
-     "lazyzero.optimizer.type", "allowed: 'none' while zero_optimization.elastic_checkpoint is true"),
-    ({"checkpoint": {"load_universal": True}, "lazyzero": {"optimizer": {"type": "adam8bit"}}},
-     "lazyzero.optimizer.type", "allowed: 'none' while checkpoint.load_universal is true"),
-    ({"zero_optimization": {"stage": 3, "zero_quantized_gradients": True}, "lazyzero": {"gradients": {"quantize": "int8"}}},
-     "lazyzero.gradients.quantize", "allowed: 'none' while zero_optimization.zero_quantized_gradients is true"),
-    ({"zero_optimization": {"stage": 2, "contiguous_gradients": False}, "lazyzero": {"gradients": {"quantize": "int8"}}},
-     "lazyzero.gradients.quantize", "allowed: 'none' while zero_optimization.contiguous_gradients is false on stage 1 or 2"),
+      "lazyzero": {"optimizer": {"enabled": True}}}, "lazyzero.optimizer.enabled",
+     "allowed: false while zero_optimization.offload_optimizer.pipeline_read is true"),
+    ({"zero_optimization": {"stage": 2, "elastic_checkpoint": True}, "lazyzero": {"optimizer": {"enabled": True}}},
+     "lazyzero.optimizer.enabled", "allowed: false while zero_optimization.elastic_checkpoint is true"),
+    ({"checkpoint": {"load_universal": True}, "lazyzero": {"optimizer": {"enabled": True}}},
+     "lazyzero.optimizer.enabled", "allowed: false while checkpoint.load_universal is true"),
+    ({"zero_optimization": {"stage": 3, "zero_quantized_gradients": True}, "lazyzero": {"gradients": {"enabled": True}}},
+     "lazyzero.gradients.enabled", "got true; allowed: false while zero_optimization.zero_quantized_gradients is true"),
+    ({"zero_optimization": {"stage": 2, "contiguous_gradients": False}, "lazyzero": {"gradients": {"enabled": True}}},
+     "lazyzero.gradients.enabled", "allowed: false while zero_optimization.contiguous_gradients is false on stage 1 or 2"),
     ({"activation_checkpointing": {"cpu_checkpointing": True}, "lazyzero": {"activations": {"enabled": True}}},
      "activation_checkpointing.cpu_checkpointing", "got true; allowed: false while lazyzero.activations.enabled is true"),
-    ({"checkpoint": {"writer": {"type": "fast"}}, "lazyzero": {"checkpoint": {"mode": "lazy"}}}, "checkpoint.writer",
-     "allowed: absent while lazyzero.checkpoint.mode is 'lazy'"),
-    ({"checkpoint": {"use_node_local_storage": True}, "lazyzero": {"checkpoint": {"mode": "lazy"}}},
-     "checkpoint.use_node_local_storage", "allowed: false while lazyzero.checkpoint.mode is 'lazy'"),
+    ({"checkpoint": {"writer": {"type": "fast"}}, "lazyzero": {"checkpoint": {"enabled": True}}}, "checkpoint.writer",
+     "allowed: absent while lazyzero.checkpoint.enabled is true"),
+    ({"checkpoint": {"use_node_local_storage": True}, "lazyzero": {"checkpoint": {"enabled": True}}},
+     "checkpoint.use_node_local_storage", "allowed: false while lazyzero.checkpoint.enabled is true"),
 ]
 
 
@@ -325,7 +363,7 @@ def test_deepspeed_settings_that_do_not_conflict_are_accepted(workdir, ds_config
 
 
 def test_eight_bit_optimizer_over_adamw_with_cpu_offload_is_accepted():
-    validate_ds_config({"optimizer": {"type": "AdamW"}, "lazyzero": {"optimizer": {"type": "adam8bit"}},
+    validate_ds_config({"optimizer": {"type": "AdamW"}, "lazyzero": {"optimizer": {"enabled": True, "type": "adam8bit"}},
                         "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}})
 
 
@@ -381,7 +419,7 @@ def test_config_that_is_neither_dict_nor_path_is_rejected():
 
 
 def test_world_size_checks_the_two_hop_layout():
-    ds_config = {"lazyzero": {"gradients": {"quantize": "int8", "ranks_per_node": 3}}}
+    ds_config = {"lazyzero": {"gradients": {"enabled": True, "ranks_per_node": 3}}}
     validate_ds_config(ds_config, world_size=6)
     with pytest.raises(LazyZeroConfigError) as caught:
         validate_ds_config(ds_config, world_size=4)
@@ -475,7 +513,7 @@ def test_every_field_is_documented():
 def test_summary_of_defaults_says_every_feature_is_off():
     summary = format_config_summary(LazyZeroConfig())
     assert summary.splitlines()[0] == "lazyzero 0.1.0: features on: none"
-    assert [line.split()[:2] for line in summary.splitlines()[1:]] == [[section, "off"] for section in FEATURE_SWITCHES]
+    assert [line.split() for line in summary.splitlines()[1:]] == [[section, "off"] for section in FEATURES]
 
 
 # ------------------------------------------------------------------------------ DeepSpeed's view

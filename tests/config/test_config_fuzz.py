@@ -1,4 +1,4 @@
-"""Generated config fuzz (RELIABILITY row 13): for every field of every sub-model, a wrong-type value
+"""Generated config fuzz (docs/reliability.md, what is tested): for every field of every sub-model, a wrong-type value
 and out-of-range values derived from the field's own bounds, plus a misspelled key per sub-model.
 Each must be rejected with its key path and the words "allowed". A property test then throws random
 JSON at random keys and checks that every rejection keeps the documented one-line format.

@@ -21,7 +21,7 @@ def test_config_is_valid(path):
 
 
 def test_nvme_config_really_puts_state_on_nvme():
-    """max_in_cpu 0 is what makes DeepSpeed keep parameters on NVMe (DEEPSPEED_NOTES: placement)."""
+    """max_in_cpu 0 is what makes DeepSpeed keep parameters on NVMe (docs/deepspeed-internals.md: placement)."""
     import json
 
     zero = json.loads((CONFIG_DIR / "cpu_zero3_nvme.json").read_text())["zero_optimization"]

@@ -36,7 +36,7 @@ def ds_config(setting: str, with_section: bool) -> dict:
         "steps_per_print": 10**9,
     }
     if with_section:
-        config["lazyzero"] = {"gradients": {"quantize": "none"}, "checkpoint": {"mode": "deepspeed"}}
+        config["lazyzero"] = {"gradients": {"enabled": False}, "checkpoint": {"enabled": False}}
     return config
 
 

@@ -12,8 +12,8 @@ import torch
 import torch.distributed as dist
 
 import lazyzero
-from lazyzero.models import build_model
 from lazyzero.distributed.shm_segments import segment_paths
+from lazyzero.models import build_model
 from lazyzero.testing import destroy_engine, worker_args
 
 CONFIG = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},

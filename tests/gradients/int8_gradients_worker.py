@@ -70,10 +70,10 @@ def wrap_reductions() -> None:
         setattr(torch_dist, name, measured(name, getattr(torch_dist, name)))
 
 
-def ds_config(setting: str, quantize: str) -> dict:
+def ds_config(setting: str, int8: bool) -> dict:
     stage, *variants = setting.split("+")
     zero = {"stage": int(stage), "reduce_bucket_size": 200_000, "stage3_param_persistence_threshold": 0}
-    gradients = {"quantize": quantize}
+    gradients = {"enabled": int8}
     config = {
         "train_micro_batch_size_per_gpu": 2,
         "gradient_accumulation_steps": 2,
@@ -96,7 +96,7 @@ def ds_config(setting: str, quantize: str) -> dict:
         zero["offload_optimizer"] = {"device": "cpu"}
         if zero["stage"] == 3:
             zero["offload_param"] = {"device": "cpu"}
-    if "ef" in variants and quantize == "int8":
+    if "ef" in variants and int8:
         gradients["error_feedback"] = True
     if "stochastic" in variants:
         gradients.update(stochastic_rounding=True, seed=5, block_size=128)
@@ -124,20 +124,20 @@ def averaged_gradient(engine) -> torch.Tensor:
 
 def residual_norm(engine) -> float | None:
     """Norm of all of this rank's error-feedback residuals (None without error feedback)."""
-    exchange = engine._gradient_exchange
+    exchange = engine.lazyzero_features.section("gradients").exchange
     if exchange is None or exchange.error_feedback is None:
         return None
     residuals = exchange.state_dict()["residuals"]
     return float(torch.cat(residuals).norm()) if residuals else 0.0
 
 
-def run(setting: str, quantize: str, nan_step: int | None) -> dict:
+def run(setting: str, int8: bool, nan_step: int | None) -> dict:
     calls.clear()
     largest_reduced.clear()
     stage = int(setting[0])
     model = build_model("tiny", seed=7, vocab_size=300)
     engine, _, _, _ = lazyzero.initialize(model=model, model_parameters=model.parameters(),
-                                          config=ds_config(setting, quantize))
+                                          config=ds_config(setting, int8))
     generator = torch.Generator().manual_seed(100 + engine.global_rank)
     losses, metrics, unchanged, finite, residual_norms = [], [], [], [], []
     for step in range(STEPS):
@@ -168,7 +168,7 @@ def run(setting: str, quantize: str, nan_step: int | None) -> dict:
 def refusal_without_contiguous_gradients() -> str:
     """The error of int8 gradients at stage 2 without a contiguous bucket (DeepSpeed would reduce
     through a full-precision path the hooks do not replace)."""
-    config = ds_config("2", "int8")
+    config = ds_config("2", True)
     config["zero_optimization"]["contiguous_gradients"] = False
     model = build_model("tiny", seed=7, vocab_size=300)
     try:
@@ -184,8 +184,8 @@ def main() -> None:
     out, settings = Path(args[0]), args[1:]
     result = {}
     for setting in settings:
-        runs = {"fp32": run(setting, "none", None), "int8": run(setting, "int8", None),
-                "nan": run(setting, "int8", NAN_STEP)}
+        runs = {"fp32": run(setting, False, None), "int8": run(setting, True, None),
+                "nan": run(setting, True, NAN_STEP)}
         exact = runs["fp32"]["first_gradient"]
         error = (runs["int8"]["first_gradient"] - exact).norm() / exact.norm()
         for name in runs:

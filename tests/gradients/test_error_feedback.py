@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from lazyzero.gradients.error_feedback import ErrorFeedback
 from lazyzero.checkpoint.rank_state import load_rank_state, rank_state_document, rank_state_path
+from lazyzero.gradients.error_feedback import ErrorFeedback
 
 CPU = torch.device("cpu")
 

@@ -1,4 +1,4 @@
-"""Int8 gradient exchange in the engine, every ZeRO stage, real 2-rank runs (issue 3; RELIABILITY.md row 9).
+"""Int8 gradient exchange in the engine, every ZeRO stage, real 2-rank runs (docs/gradients.md; docs/reliability.md row 9).
 
 One launch runs every setting (tests/gradients/int8_gradients_worker.py): for each, 6 steps with fp32
 gradients, the same with int8, and int8 again with a NaN injected into rank 1's loss at step 2.
@@ -100,7 +100,7 @@ def test_nan_on_one_rank_skips_the_step_on_every_rank(ranks, setting):
 def test_stage_2_without_contiguous_gradients_is_refused_not_sent_in_fp32(ranks):
     for result in ranks:
         # Refused by config validation, before the engine (which also refuses) is built.
-        assert ("lazyzero.gradients.quantize: got 'int8'; allowed: 'none' while "
+        assert ("lazyzero.gradients.enabled: got true; allowed: false while "
                 "zero_optimization.contiguous_gradients is false on stage 1 or 2") in result["refusal_without_contiguous_gradients"]
 
 

@@ -1,4 +1,4 @@
-"""Int8 reduce-scatter and all-reduce on real processes (gloo, 2 and 4 ranks): RELIABILITY.md rows
+"""Int8 reduce-scatter and all-reduce on real processes (gloo, 2 and 4 ranks): docs/reliability.md rows
 8 and 9. One launch per world size runs every case (tests/gradients/quantized_collectives_worker.py); the
 tests below judge the facts each rank wrote."""
 
@@ -6,13 +6,12 @@ import json
 from pathlib import Path
 
 import pytest
-
 from worker_facts import cases
 
 from lazyzero.testing import run_distributed
 
 WORKER = Path(__file__).resolve().parent / "quantized_collectives_worker.py"
-WIRE_RATIO_TARGET = 0.27  # issue 3: int8 bytes on the wire at most 0.27 x fp32
+WIRE_RATIO_TARGET = 0.27  # docs/gradients.md: int8 bytes on the wire at most 0.27 x fp32
 
 
 @pytest.fixture(scope="module", params=[2, 4], ids=["2ranks", "4ranks"])

@@ -1,4 +1,4 @@
-"""Two-hop int8 exchange, 2 "nodes" x 2 ranks on gloo (RELIABILITY.md rows 8 and 9): within the
+"""Two-hop int8 exchange, 2 "nodes" x 2 ranks on gloo (docs/reliability.md rows 8 and 9): within the
 bound against the exact sum, zero blocks exact, NaN/Inf seen by every rank, fewer bytes across
 nodes. One launch (tests/gradients/two_hop_worker.py)."""
 
@@ -6,7 +6,6 @@ import json
 from pathlib import Path
 
 import pytest
-
 from worker_facts import cases
 
 from lazyzero.testing import run_distributed

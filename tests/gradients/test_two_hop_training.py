@@ -1,4 +1,4 @@
-"""Training with the two-hop int8 exchange on 2 "nodes" x 2 ranks (issue 3), through the entry point:
+"""Training with the two-hop int8 exchange on 2 "nodes" x 2 ranks (docs/gradients.md), through the entry point:
 the layout taken from a real multi-node DeepSpeed launch, and set in the config under mpirun with a
 hostfile."""
 

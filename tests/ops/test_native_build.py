@@ -22,9 +22,9 @@ COMPILER_LOG = (
 def fresh_build_state(tmp_path, monkeypatch):
     """An empty extension cache and a process that has loaded and tried nothing yet."""
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
-    monkeypatch.setattr(build, "_loaded", {})
-    monkeypatch.setattr(build, "_attempted", set())
-    monkeypatch.setattr(build, "_warned_fallback", False)
+    monkeypatch.setattr(native_build, "_loaded", {})
+    monkeypatch.setattr(native_build, "_attempted", set())
+    monkeypatch.setattr(native_build, "_warned_fallback", False)
     return tmp_path
 
 
@@ -33,7 +33,7 @@ def failing_compiler(monkeypatch):
     def fail(backend, verbose):
         raise RuntimeError(COMPILER_LOG)
 
-    monkeypatch.setattr(build, "_compile_and_load", fail)
+    monkeypatch.setattr(native_build, "_compile_and_load", fail)
 
 
 def cpu_status() -> native_build.BackendStatus:

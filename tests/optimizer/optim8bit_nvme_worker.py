@@ -22,11 +22,11 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from optim8bit_worker import INPUTS, OUTPUTS, ds_config, full_parameters, train_step
 
 import lazyzero
 from lazyzero.optimizer.nvme_swap import PACKED_FILE_SUFFIX
 from lazyzero.testing import destroy_engine, worker_args
-from optim8bit_worker import INPUTS, OUTPUTS, ds_config, full_parameters, train_step
 
 HIDDEN = 1024
 SUB_GROUP_SIZE = 300_000

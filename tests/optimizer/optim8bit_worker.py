@@ -1,7 +1,7 @@
 """The 8-bit optimizer inside real DeepSpeed runs, 2 ranks (tests/optimizer/test_engine_8bit.py).
 
 A small MLP (fixed seed; data drawn from the step number and the rank) with
-`"lazyzero": {"optimizer": {"type": "adamw8bit"}}`, on the layouts given as STAGE[+cpu].
+`"lazyzero": {"optimizer": {"enabled": true}}` (AdamW8bit), on the layouts given as STAGE[+cpu].
 
 Usage (under the deepspeed launcher); each mode writes OUT/<mode>_rank<r>.json, and
 `runs OUT MODE=CASE,CASE ...` runs several modes in one launch:
@@ -62,10 +62,10 @@ def ds_config(layout: str, clipping: float = 1.0, fused_clipping: bool = True, l
         device, _, nvme_path = offload.partition(":")
         zero["offload_optimizer"] = {"device": device, **({"nvme_path": nvme_path} if nvme_path else {})}
     zero.update(zero_options or {})
-    lazyzero_section = {"optimizer": {"type": "adamw8bit", "min_8bit_size": min_8bit_size,
+    lazyzero_section = {"optimizer": {"enabled": True, "type": "adamw8bit", "min_8bit_size": min_8bit_size,
                                       "fused_clipping": fused_clipping}}
     if lazy:
-        lazyzero_section["checkpoint"] = {"mode": "lazy"}
+        lazyzero_section["checkpoint"] = {"enabled": True}
     return {
         "train_micro_batch_size_per_gpu": BATCH,
         "gradient_accumulation_steps": 1,

@@ -1,4 +1,4 @@
-"""Adam8bit / AdamW8bit against torch.optim.AdamW in fp32, state round trips (RELIABILITY row 10).
+"""Adam8bit / AdamW8bit against torch.optim.AdamW in fp32, state round trips (docs/reliability.md, what is tested).
 
 The problem: least squares W x ~ y with fresh random batches each step, so gradients stay noisy and
 of mixed scale as in training. Shapes: a multiple of the block size (64 x 64 = 4096) and not

@@ -20,28 +20,28 @@ def named(model):
 
 
 def test_default_policy_keeps_embeddings_norms_and_small_tensors_fp32():
-    plan = choose_state_precision(named(Tiny()), OptimizerConfig(type="adamw8bit"))
+    plan = choose_state_precision(named(Tiny()), OptimizerConfig(enabled=True))
     assert sorted(plan.eight_bit) == ["big.weight", "medium.weight"]
     assert "embed_tokens.weight" in plan.fp32 and "final_norm.weight" in plan.fp32 and "big.bias" in plan.fp32
     assert plan.eight_bit_elements == 8192 + 5120
 
 
 def test_fraction_takes_the_largest_tensors_first():
-    plan = choose_state_precision(named(Tiny()), OptimizerConfig(type="adamw8bit", fraction_8bit=0.5))
+    plan = choose_state_precision(named(Tiny()), OptimizerConfig(enabled=True, fraction_8bit=0.5))
     assert plan.eight_bit == ["big.weight"]
-    plan = choose_state_precision(named(Tiny()), OptimizerConfig(type="adamw8bit", fraction_8bit=0.0))
+    plan = choose_state_precision(named(Tiny()), OptimizerConfig(enabled=True, fraction_8bit=0.0))
     assert plan.eight_bit == []
 
 
 def test_patterns_and_minimum_size_are_configurable():
-    config = OptimizerConfig(type="adamw8bit", fp32_patterns=["big.*"], min_8bit_size=0)
+    config = OptimizerConfig(enabled=True, fp32_patterns=["big.*"], min_8bit_size=0)
     plan = choose_state_precision(named(Tiny()), config)
     assert "big.weight" in plan.fp32 and "embed_tokens.weight" in plan.eight_bit and "medium.bias" in plan.eight_bit
 
 
 def test_groups_are_split_by_precision_and_keep_user_options():
     model = Tiny()
-    plan = choose_state_precision(named(model), OptimizerConfig(type="adamw8bit"))
+    plan = choose_state_precision(named(model), OptimizerConfig(enabled=True))
     user_groups = [{"params": [model.big.weight, model.big.bias], "weight_decay": 0.0},
                    {"params": [model.medium.weight, model.embed_tokens.weight]}]
     groups = split_param_groups(model, user_groups, plan)
@@ -53,6 +53,6 @@ def test_groups_are_split_by_precision_and_keep_user_options():
 def test_all_trainable_parameters_when_none_given():
     model = Tiny()
     model.final_norm.weight.requires_grad_(False)
-    plan = choose_state_precision(named(model), OptimizerConfig(type="adamw8bit"))
+    plan = choose_state_precision(named(model), OptimizerConfig(enabled=True))
     groups = split_param_groups(model, None, plan)
     assert sum(len(g["params"]) for g in groups) == len(list(model.parameters())) - 1

@@ -21,8 +21,10 @@ Usage (under the deepspeed launcher): placement_worker.py OUT SPEC [SPEC ...]; e
              (default 5); rss (measure only: losses and memory); check=NAME (no training: whether
              NAME's checkpoint may be restored here, check_checkpoint_tiers)
   The record: losses, grad norms, sha256 of the final parameters, sub-groups (names, elements,
-  swapped), swap file names, ds_id of each parameter, tier report, seconds, and memory: RSS after
-  init and after training (freed heap returned first), peak RSS of the training steps and of the process.
+  swapped), swap file names, ds_id of each parameter, tier report, the DeepSpeed methods replaced over
+  a lazyzero override while the engine was built (lazyzero/patch_point.py), seconds, and memory: RSS
+  after init and after training (freed heap returned first), peak RSS of the training steps and of
+  the process.
 `errors` as a SPEC: the message of each misuse (errors_rank<r>.json).
 """
 
@@ -42,6 +44,7 @@ from deepspeed.runtime.zero.partition_parameters import Init
 import lazyzero
 import lazyzero.engine.engine as engine_module
 from lazyzero.models import build_model
+from lazyzero.patch_point import applied_patches
 from lazyzero.plan.zero_placement import ZeroPlacement, check_checkpoint_tiers, zero_placement
 from lazyzero.testing import destroy_engine, worker_args, write_json_from_every_rank
 
@@ -90,7 +93,7 @@ def ds_config(optimizer: str, offload: str, nvme: Path, options: dict, stage: in
                       "overlap_events": True},
               "lazyzero": {}}
     if optimizer == "adam8bit":
-        config["lazyzero"]["optimizer"] = {"type": "adamw8bit"}
+        config["lazyzero"]["optimizer"] = {"enabled": True, "type": "adamw8bit"}
     return config
 
 
@@ -213,8 +216,11 @@ def run(out: Path, spec: str) -> None:
     model = build_model(str(model_config(out, int(options.get("layers", 2)), int(options.get("intermediate", 1024)))),
                         seed=3, dtype=torch.bfloat16)
     placement = placement_for(model, layers, "params" in options) if offload == "tiered" else None
+    patched_before = len(applied_patches())
     engine = new_engine(model, ds_config(optimizer, offload, nvme, options), placement)
-    record = {"init_s": time.perf_counter() - started, "rss_after_init": live_rss_bytes()}
+    record = {"init_s": time.perf_counter() - started, "rss_after_init": live_rss_bytes(),
+              "replaced_over_override": sorted(patch.target for patch in applied_patches()[patched_before:]
+                                               if patch.over_override)}
     reset_peak_rss()
     follow_schedule(engine, out, name, options, record)
     record.update(peak_rss_training=kernel_status_bytes("VmHWM"), rss_after_training=live_rss_bytes(),

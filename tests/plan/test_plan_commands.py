@@ -1,4 +1,4 @@
-"""`lazyzero plan` (issue 7): analytic costs of the presets, the CLI end to end, the implied DeepSpeed
+"""`lazyzero plan` (docs/plan.md): analytic costs of the presets, the CLI end to end, the implied DeepSpeed
 config (validated like a user's) and the per-layer widths it gives the activation policy."""
 
 import json
@@ -138,5 +138,5 @@ def test_implied_widths_reach_the_activation_policy_as_planned():
     assert widths(1) == widths(2) == widths(4) == [16] * 4
     savings = [c.optim_state_bytes_fp32 - c.optim_state_bytes_8bit for c in problem.layers]
     share = round((savings[0] + savings[5]) / sum(savings), 4)
-    assert section["optimizer"] == {"type": "adamw8bit", "fraction_8bit": share}
+    assert section["optimizer"] == {"enabled": True, "type": "adamw8bit", "fraction_8bit": share}
     assert eight_bit_share(problem, plan) == share

@@ -1,4 +1,4 @@
-"""Planner (issue 7): problem validation, the step simulator, the MILP against brute force, the greedy
+"""Planner (docs/plan.md): problem validation, the step simulator, the MILP against brute force, the greedy
 plan and the baselines checked against every budget."""
 
 import itertools
@@ -8,9 +8,24 @@ from collections import Counter
 
 import pytest
 
-from lazyzero.plan import (BudgetExceeded, LayerCosts, LayerPlan, Machine, Path, Plan, PlanInfeasible, PlanProblem,
-                              Tier, build_model, check_within_budgets, deepspeed_default_plan, fixed_rule_plan,
-                              greedy_plan, simulate, solve)
+from lazyzero.plan import (
+    BudgetExceeded,
+    LayerCosts,
+    LayerPlan,
+    Machine,
+    Path,
+    Plan,
+    PlanInfeasible,
+    PlanProblem,
+    Tier,
+    build_model,
+    check_within_budgets,
+    deepspeed_default_plan,
+    fixed_rule_plan,
+    greedy_plan,
+    simulate,
+    solve,
+)
 from lazyzero.plan.costs import EMBED_AND_HEAD, decoder_layer_name, problem_from_preset
 from lazyzero.plan.instances import llama_like_80_layers
 from lazyzero.plan.problem import Placement, activation_options

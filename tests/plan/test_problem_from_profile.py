@@ -1,4 +1,4 @@
-"""A measured profile becomes one ZeRO-3 rank's planning problem (issue 7): partitions, collectives
+"""A measured profile becomes one ZeRO-3 rank's planning problem (docs/plan.md): partitions, collectives
 added to the layers' times, measured optimizer speeds, per-rank budgets and the workspace, checked
 against hand computations on a made-up profile (nothing is measured here)."""
 
@@ -8,8 +8,17 @@ import pytest
 
 from lazyzero.plan.costs import EMBED_AND_HEAD
 from lazyzero.plan.problem_from_profile import Budgets, RankShape, problem_from_profile
-from lazyzero.plan.profile.data import (Bandwidth, CollectiveSpeed, Fingerprint, LayerProfile, MachineProfile,
-                                           MemorySnapshot, ModelProfile, OptimizerSpeed, TensorInfo)
+from lazyzero.plan.profile.data import (
+    Bandwidth,
+    CollectiveSpeed,
+    Fingerprint,
+    LayerProfile,
+    MachineProfile,
+    MemorySnapshot,
+    ModelProfile,
+    OptimizerSpeed,
+    TensorInfo,
+)
 from lazyzero.plan.swap_buffers import aligned
 
 MB = 10**6
@@ -159,13 +168,13 @@ def test_other_features_add_what_they_hold_whatever_the_plan():
     layer_numel = sum(LAYER_TENSORS.values())
     total = 2 * layer_numel + sum(HEAD_TENSORS.values())
     assert feature_workspace_bytes(profile, {"lazyzero": {}}, shape) == 0
-    int8 = {"lazyzero": {"gradients": {"quantize": "int8"}}}
+    int8 = {"lazyzero": {"gradients": {"enabled": True}}}
     # One bucket (a layer) of scratch: three fp32 rows and two int8 code buffers per element.
     assert feature_workspace_bytes(profile, int8, shape) == 14 * layer_numel
     int8["lazyzero"]["gradients"]["error_feedback"] = True
     # Error feedback keeps an fp32 residual of every gradient element the rank sends.
     assert feature_workspace_bytes(profile, int8, shape) == 14 * layer_numel + 4 * total
-    lazy = {"lazyzero": {"checkpoint": {"mode": "lazy"}}}
+    lazy = {"lazyzero": {"checkpoint": {"enabled": True}}}
     # Snapshot buffers: the rank's partition of bf16 parameters, fp32 master weights and two moments.
     assert feature_workspace_bytes(profile, lazy, shape) == math.ceil(total / 2) * (2 + 4 + 8)
     both = {"lazyzero": {**int8["lazyzero"], **lazy["lazyzero"]}}
@@ -182,7 +191,7 @@ def test_lazy_checkpoints_every_n_steps_share_the_windows_with_their_snapshot_tr
     from lazyzero.plan.problem_from_profile import lazy_snapshot_bytes, problem_for_config
 
     ds_config = {"bf16": {"enabled": True}, "zero_optimization": {"stage": 3},
-                 "lazyzero": {"checkpoint": {"mode": "lazy"}}}
+                 "lazyzero": {"checkpoint": {"enabled": True}}}
     settings = PlanConfig(enabled=True, seq_len=8, cpu_mem=4 * 10**9, nvme_path=str(tmp_path), checkpoint_every=10)
     problem, _ = problem_for_config(made_up_profile(), ds_config, settings, 2, 2, process_bytes=0)
     snapshot = lazy_snapshot_bytes(made_up_profile(), ds_config, RankShape(2, "bfloat16", True, True))

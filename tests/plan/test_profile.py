@@ -1,4 +1,4 @@
-"""The planner's profiler (issue 7, item 1): what it measures for the tiny model, the cache file and
+"""The planner's profiler (docs/plan.md): what it measures for the tiny model, the cache file and
 its fingerprint, NVMe speed through DeepSpeed aio, the CLI, and the same profile on every rank."""
 
 import dataclasses
@@ -15,11 +15,19 @@ from lazyzero.cli import main
 from lazyzero.config import ActivationsConfig
 from lazyzero.models import build_model
 from lazyzero.plan.costs import EMBED_AND_HEAD
-from lazyzero.plan.profile.profiler import (ProfileFileError, ProfileSettings, cached_profile, combine, load_or_profile,
-                                      profile_model, read_profile, write_profile)
 from lazyzero.plan.profile.data import PROFILE_VERSION
 from lazyzero.plan.profile.layers import profiling_batch
 from lazyzero.plan.profile.machine import aio_settings, aio_unavailable_reason, nvme_bandwidths
+from lazyzero.plan.profile.profiler import (
+    ProfileFileError,
+    ProfileSettings,
+    cached_profile,
+    combine,
+    load_or_profile,
+    profile_model,
+    read_profile,
+    write_profile,
+)
 from lazyzero.testing import run_distributed
 
 VOCAB = 300

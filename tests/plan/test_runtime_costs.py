@@ -1,4 +1,4 @@
-"""The cost terms that describe lazyzero's runtime on DeepSpeed (issue 7): packing seconds per
+"""The cost terms that describe lazyzero's runtime on DeepSpeed (docs/plan.md): packing seconds per
 width, a measured recompute, NVMe swaps that block, gradients that follow an NVMe optimizer state,
 the swapper's staging bytes, 8-bit optimizer speeds, allowed parameter tiers and fixed placements.
 The MILP and the step simulator must mean the same by each (brute force over the simulator on small
@@ -10,8 +10,18 @@ import random
 
 import pytest
 
-from lazyzero.plan import (LayerCosts, LayerPlan, Machine, Path, PlanInfeasible, PlanProblem, Tier, greedy_plan,
-                              simulate, solve)
+from lazyzero.plan import (
+    LayerCosts,
+    LayerPlan,
+    Machine,
+    Path,
+    PlanInfeasible,
+    PlanProblem,
+    Tier,
+    greedy_plan,
+    simulate,
+    solve,
+)
 from lazyzero.plan.problem import Placement, activation_options, placement_options
 from lazyzero.plan.simulate import BudgetExceeded, check_within_budgets, evaluate_layers
 from lazyzero.testing import TOLERANCES

@@ -18,13 +18,19 @@ import torch
 from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
 
 from lazyzero.config.errors import LazyZeroConfigError
-from lazyzero.plan.zero_placement import (ZeroPlacement, check_placement_names, names_under,
-                                             placement_problems, zero_placement)
+from lazyzero.plan.zero_placement import (
+    ZeroPlacement,
+    check_placement_names,
+    names_under,
+    placement_problems,
+    zero_placement,
+)
 from lazyzero.testing import run_distributed
 
 WORKER = Path(__file__).resolve().parent / "placement_worker.py"
 # DeepSpeed swaps a partition only from max(1 MiB, aio.block_size) up (both swappers).
 MIN_SWAP_BYTES = 1 << 20
+TIERED_NORM = "deepspeed.runtime.zero.stage3:DeepSpeedZeroOptimizer_Stage3._get_norm_groups"
 
 needs_libaio = pytest.mark.skipif(not Path("/usr/include/libaio.h").exists(),
                                   reason="NVMe offload needs libaio-dev (.ci/run installs it)")
@@ -158,6 +164,10 @@ def test_8bit_optimizer_half_on_nvme_equals_all_nvme_and_none_and_resumes(tmp_pa
         assert runs["resume"][rank]["losses"] == half["losses"][3:]
         assert runs["resume"][rank]["digest"] == half["digest"]
         assert_params_swapped_exactly(runs["params"][rank], nvme_layers=(1,))
+        # Fused clipping (gradient_clipping 1.0) replaced the tiered optimizer's norm order, and said why.
+        for composed in ("half", "params"):
+            assert runs[composed][rank]["replaced_over_override"] == [TIERED_NORM], composed
+        assert runs["nvme"][rank]["replaced_over_override"] == []
 
 
 @pytest.mark.slow

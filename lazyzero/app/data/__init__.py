@@ -7,16 +7,18 @@ from lazyzero.app.data.arithmetic import (
     extract_answer,
     format_example,
     format_prompt,
+    format_solution,
     generate_problems,
 )
 from lazyzero.app.data.dataset import IGNORE_INDEX, TokenizedExamples, load_texts, training_texts
 from lazyzero.app.data.evaluate import EvalResult, exact_match_accuracy, greedy_generate
-from lazyzero.app.data.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, load_tokenizer
+from lazyzero.app.data.tokenizer import ByteTokenizer, ChatTemplate, HFTokenizer, Tokenizer, load_tokenizer
 
 __all__ = [
     "DIFFICULTIES",
     "IGNORE_INDEX",
     "ByteTokenizer",
+    "ChatTemplate",
     "Difficulty",
     "EvalResult",
     "HFTokenizer",
@@ -27,6 +29,7 @@ __all__ = [
     "extract_answer",
     "format_example",
     "format_prompt",
+    "format_solution",
     "generate_problems",
     "greedy_generate",
     "load_texts",

@@ -18,7 +18,10 @@ import hashlib
 import random
 import re
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:
+    from lazyzero.app.data.tokenizer import ChatTemplate
 
 Split = Literal["train", "eval"]
 
@@ -104,14 +107,28 @@ def split_of(question: str) -> Split:
     return "eval" if int.from_bytes(digest[:8], "big") % EVAL_HASH_BUCKETS == 0 else "train"
 
 
-def format_prompt(problem: Problem) -> str:
-    """The text a model sees before it must answer: it ends right where the first step starts."""
+def format_prompt(problem: Problem, chat: ChatTemplate | None = None) -> str:
+    """The text a model sees before it must answer: it ends right where the first step starts.
+
+    With an instruct model's `chat` template, the question is the user's turn and the text ends where
+    the assistant's answer starts (the framing the model was tuned on).
+    """
+    if chat is not None:
+        return chat.prompt(problem.question)
     return f"Question: {problem.question}\nAnswer: "
 
 
-def format_example(problem: Problem) -> str:
-    """The full training text: prompt, one line per step, then the `#### answer` line."""
-    return format_prompt(problem) + "".join(f"{step}\n" for step in problem.steps) + f"#### {problem.answer}\n"
+def format_solution(problem: Problem) -> str:
+    """The answer part: one line per step, then the `#### answer` line (with no newline after it)."""
+    return "".join(f"{step}\n" for step in problem.steps) + f"#### {problem.answer}"
+
+
+def format_example(problem: Problem, chat: ChatTemplate | None = None) -> str:
+    """The full training text: prompt, one line per step, then the `#### answer` line; with a `chat`
+    template, a user turn (the question) and the assistant's turn (the solution)."""
+    if chat is not None:
+        return chat.conversation(problem.question, format_solution(problem))
+    return format_prompt(problem) + format_solution(problem) + "\n"
 
 
 # The number after the first '####': optional sign, digits with optional thousands commas, and an

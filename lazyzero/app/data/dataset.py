@@ -89,16 +89,17 @@ def _string_field(record: dict, name: str, where: str) -> str:
 class TokenizedExamples(Dataset):
     """Texts tokenized once into fixed-length rows: bos + text + eos, right-padded to `seq_len`.
 
-    The loss covers the whole text (question included): for short problems the question tokens are
-    cheap extra signal and it keeps the dataset independent of any prompt format. `labels` equal
-    `input_ids` (the model shifts them) with IGNORE_INDEX on padding; longer texts are cut to
-    `seq_len` tokens, with one warning counting them.
+    `framed` texts (rendered by an instruct model's chat template) carry their own special tokens,
+    so none are added. The loss covers the whole text (question included): for short problems the
+    question tokens are cheap extra signal and it keeps the dataset independent of any prompt format.
+    `labels` equal `input_ids` (the model shifts them) with IGNORE_INDEX on padding; longer texts are
+    cut to `seq_len` tokens, with one warning counting them.
     """
 
-    def __init__(self, texts: list[str], tokenizer: Tokenizer, seq_len: int):
+    def __init__(self, texts: list[str], tokenizer: Tokenizer, seq_len: int, framed: bool = False):
         if seq_len < 2:
             raise ValueError(f"seq_len must be at least 2, got {seq_len}")
-        rows = [tokenizer.encode(text, add_bos=True, add_eos=True) for text in texts]
+        rows = [tokenizer.encode(text, add_bos=not framed, add_eos=not framed) for text in texts]
         truncated = sum(len(row) > seq_len for row in rows)
         if truncated:
             warnings.warn(

@@ -35,20 +35,27 @@ def exact_match_accuracy(
     batch_size: int = 16,
     num_samples: int = 5,
 ) -> EvalResult:
-    """Share of `problems` whose greedy continuation's `#### answer` equals the true answer."""
-    prompts = [format_prompt(p) for p in problems]
-    outputs = greedy_generate(model, tokenizer, prompts, max_new_tokens=max_new_tokens, batch_size=batch_size)
+    """Share of `problems` whose greedy continuation's `#### answer` equals the true answer.
+
+    Prompts are framed by the tokenizer's chat template when it has one (an instruct model).
+    """
+    prompts = [format_prompt(p, tokenizer.chat) for p in problems]
+    outputs = greedy_generate(model, tokenizer, prompts, max_new_tokens=max_new_tokens, batch_size=batch_size,
+                              framed=tokenizer.chat is not None)
     correct = sum(extract_answer(out) == p.answer for out, p in zip(outputs, problems))
     samples = tuple((prompt, out, p.answer) for prompt, out, p in list(zip(prompts, outputs, problems))[:num_samples])
     return EvalResult(correct=correct, total=len(problems), accuracy=correct / max(len(problems), 1), samples=samples)
 
 
 @torch.no_grad()
-def greedy_generate(model, tokenizer: Tokenizer, prompts: list[str], max_new_tokens: int, batch_size: int) -> list[str]:
+def greedy_generate(
+    model, tokenizer: Tokenizer, prompts: list[str], max_new_tokens: int, batch_size: int, framed: bool = False
+) -> list[str]:
     """Greedy continuations of `prompts` (decoded, cut at eos), in order.
 
     `model` is an HF causal LM or a DeepSpeed engine wrapping one. It is put in eval mode and its
-    previous mode is restored afterwards.
+    previous mode is restored afterwards. Prompts get the tokenizer's bos, except `framed` ones
+    (rendered by a chat template, which writes its own special tokens).
     """
     if max_new_tokens < 1 or batch_size < 1:
         raise ValueError(f"max_new_tokens and batch_size must be >= 1, got {max_new_tokens} and {batch_size}")
@@ -57,17 +64,19 @@ def greedy_generate(model, tokenizer: Tokenizer, prompts: list[str], max_new_tok
     try:
         outputs = []
         for start in range(0, len(prompts), batch_size):
-            new_tokens = _generate_batch(model, tokenizer, prompts[start : start + batch_size], max_new_tokens)
+            rows = [tokenizer.encode(p, add_bos=not framed) for p in prompts[start : start + batch_size]]
+            new_tokens = _generate_batch(model, rows, tokenizer.pad_id, max_new_tokens)
             outputs.extend(_decode_until_eos(tokenizer, row) for row in new_tokens.tolist())
         return outputs
     finally:
         model.train(was_training)
 
 
-def _generate_batch(model, tokenizer: Tokenizer, prompts: list[str], max_new_tokens: int) -> torch.Tensor:
-    """[batch, max_new_tokens] greedy tokens, from exactly `max_new_tokens` forward passes."""
+def _generate_batch(model, rows: list[list[int]], pad_id: int, max_new_tokens: int) -> torch.Tensor:
+    """[batch, max_new_tokens] greedy tokens after the prompts' ids `rows`, from exactly
+    `max_new_tokens` forward passes."""
     device = next(model.parameters()).device
-    input_ids, attention_mask = _left_pad([tokenizer.encode(p, add_bos=True) for p in prompts], tokenizer.pad_id)
+    input_ids, attention_mask = _left_pad(rows, pad_id)
     input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
     # Left padding shifts each row's first real token; positions must count real tokens only, or a
     # padded row would see different rotary / learned positions than the same prompt alone.

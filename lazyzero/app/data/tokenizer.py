@@ -1,7 +1,9 @@
-"""Tokenizers behind one small interface: the built-in byte tokenizer, or a local HF tokenizer folder.
+"""Tokenizers behind one small interface: the built-in byte tokenizer, a local HF tokenizer folder, or
+a real model's own tokenizer (from its GGUF file or its transformers folder).
 
 The training and evaluation code only needs `vocab_size`, the `pad_id` / `bos_id` / `eos_id` ids,
-`encode` and `decode`; both implementations below provide exactly that (`Tokenizer` protocol).
+`encode`, `decode` and `chat` (an instruct model's chat template, or None); both implementations
+below provide exactly that (`Tokenizer` protocol).
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from pathlib import Path
 from typing import Protocol
 
 from lazyzero.models.byte_vocabulary import BYTE_BOS_ID, BYTE_EOS_ID, BYTE_PAD_ID, BYTE_VOCAB_SIZE, NUM_BYTES  # noqa: F401
+from lazyzero.models.pretrained import PretrainedFiles, pretrained_files
 
 
 class Tokenizer(Protocol):
@@ -19,6 +22,7 @@ class Tokenizer(Protocol):
     pad_id: int
     bos_id: int | None
     eos_id: int
+    chat: ChatTemplate | None
 
     def encode(self, text: str, add_bos: bool = True, add_eos: bool = False) -> list[int]: ...
 
@@ -36,6 +40,7 @@ class ByteTokenizer:
     pad_id = BYTE_PAD_ID
     bos_id = BYTE_BOS_ID
     eos_id = BYTE_EOS_ID
+    chat = None
 
     def encode(self, text: str, add_bos: bool = True, add_eos: bool = False) -> list[int]:
         """Token ids of `text`, optionally framed by bos / eos."""
@@ -57,7 +62,8 @@ class HFTokenizer:
 
     Special tokens are added here rather than by the HF tokenizer so that `add_bos` / `add_eos`
     mean the same for every tokenizer. Without a pad token, padding uses eos (the usual convention
-    for causal LMs); padded positions are masked out of attention and loss anyway.
+    for causal LMs); padded positions are masked out of attention and loss anyway. A tokenizer with a
+    chat template (an instruct model's) frames prompts and examples with it (`chat`).
     """
 
     def __init__(self, hf_tokenizer, source: str):
@@ -70,6 +76,7 @@ class HFTokenizer:
         self.pad_id = pad_id
         self.bos_id = hf_tokenizer.bos_token_id
         self.eos_id = eos_id
+        self.chat = ChatTemplate(hf_tokenizer) if hf_tokenizer.chat_template else None
 
     def encode(self, text: str, add_bos: bool = True, add_eos: bool = False) -> list[int]:
         """Token ids of `text`, optionally framed by bos (when the tokenizer has one) / eos."""
@@ -81,23 +88,59 @@ class HFTokenizer:
         return self._tokenizer.decode([int(i) for i in ids], skip_special_tokens=True)
 
 
+class ChatTemplate:
+    """An instruct model's own chat template, rendered by transformers into text.
+
+    The text carries the template's special tokens (its turn markers, the bos where the template
+    writes one), which `HFTokenizer.encode` turns into their ids; so it is encoded with
+    add_bos=False and add_eos=False (transformers' chat templating guide: a template that writes bos
+    and a tokenizer that adds another give the model a doubled bos it never saw in training).
+    """
+
+    def __init__(self, hf_tokenizer):
+        self._tokenizer = hf_tokenizer
+
+    def prompt(self, user: str) -> str:
+        """The user's turn and the opening of the assistant's: the model's answer follows."""
+        return self._render([{"role": "user", "content": user}], add_generation_prompt=True)
+
+    def conversation(self, user: str, assistant: str) -> str:
+        """The user's turn and the assistant's whole answer, closed as the template closes a turn."""
+        messages = [{"role": "user", "content": user}, {"role": "assistant", "content": assistant}]
+        return self._render(messages, add_generation_prompt=False)
+
+    def _render(self, messages: list[dict], add_generation_prompt: bool) -> str:
+        return self._tokenizer.apply_chat_template(messages, tokenize=False,
+                                                   add_generation_prompt=add_generation_prompt)
+
+
 def _frame(ids: list[int], bos_id: int | None, eos_id: int | None) -> list[int]:
     prefix = [bos_id] if bos_id is not None else []
     suffix = [eos_id] if eos_id is not None else []
     return prefix + ids + suffix
 
 
-def load_tokenizer(path: str | None) -> Tokenizer:
-    """`ByteTokenizer` for None, else the HF tokenizer saved in the local folder `path` (never downloads)."""
-    if path is None:
+def load_tokenizer(path: str | None, model: str | None = None) -> Tokenizer:
+    """The HF tokenizer saved in the local folder `path`; without `path`, the own tokenizer of the
+    real model `model` names (a named real model, a GGUF file, a transformers folder holding a
+    tokenizer), else `ByteTokenizer`. Never downloads."""
+    if path is not None:
+        folder = Path(path)
+        if not folder.is_dir():
+            raise FileNotFoundError(f"tokenizer folder {path} does not exist (or is not a folder)")
+        return _hf_tokenizer(PretrainedFiles(folder), path)
+    files = pretrained_files(model) if model is not None else None
+    if files is None or not files.has_tokenizer():
         return ByteTokenizer()
-    folder = Path(path)
-    if not folder.is_dir():
-        raise FileNotFoundError(f"tokenizer folder {path} does not exist (or is not a folder)")
+    return _hf_tokenizer(files, model)
+
+
+def _hf_tokenizer(files: PretrainedFiles, source: str) -> HFTokenizer:
     from transformers import AutoTokenizer
 
     try:
-        hf_tokenizer = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+        hf_tokenizer = AutoTokenizer.from_pretrained(str(files.folder), gguf_file=files.gguf_file,
+                                                     local_files_only=True)
     except (OSError, ValueError, KeyError, TypeError) as error:
-        raise ValueError(f"{path} is not a tokenizer folder that transformers can load: {error}") from error
-    return HFTokenizer(hf_tokenizer, str(path))
+        raise ValueError(f"{source}: transformers cannot load a tokenizer from it: {error}") from error
+    return HFTokenizer(hf_tokenizer, source)

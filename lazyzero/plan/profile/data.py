@@ -1,4 +1,4 @@
-"""What a planner profile holds (issue 7, item 1): measured per-layer costs, machine speeds and the
+"""What a planner profile holds (docs/plan.md): measured per-layer costs, machine speeds and the
 fingerprint that says which model and machine they are valid for; JSON in and out.
 
 Units everywhere: seconds (`*_s`, `s_per_*`), bytes (`*_bytes`), bytes per second (`bytes_per_s`).

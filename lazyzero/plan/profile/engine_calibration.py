@@ -1,4 +1,4 @@
-"""Engine calibration in the planner's profile (issue 7): what DeepSpeed itself costs around the layers.
+"""Engine calibration in the planner's profile (docs/plan.md): what DeepSpeed itself costs around the layers.
 
 The per-layer measurements of `profile_layers.py` time a layer alone. A ZeRO-3 engine adds its own
 work around every layer (parameter gathers and releases through its module hooks, gradient
@@ -135,8 +135,8 @@ def _child(request_path: str) -> None:
     import deepspeed
     from deepspeed import comm
 
-    from lazyzero.plan.host_memory import bound_host_heap
     from lazyzero.distributed.shm_segments import release_own_segment_name
+    from lazyzero.plan.host_memory import bound_host_heap
 
     request = json.loads(Path(request_path).read_text())
     bound_host_heap()

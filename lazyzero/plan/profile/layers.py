@@ -1,5 +1,5 @@
 """Per-layer measurements of the planner's profile: time, saved activations and memory of one decoder
-layer and of the embedding + head, for one micro-batch of the run's shape (issue 7, item 1).
+layer and of the embedding + head, for one micro-batch of the run's shape (docs/plan.md).
 
 A decoder layer is measured alone, on a deep copy of the model's first layer, fed what the model
 really passes it: a forward of the model is stopped right after its first decoder layer and the
@@ -30,9 +30,9 @@ from transformers.cache_utils import Cache
 from lazyzero.activations import ActivationAccounting, ActivationPacker, ActivationPolicy
 from lazyzero.activations.policy import is_decoder_layer, layer_index
 from lazyzero.config.models import ActivationsConfig
-from lazyzero.plan.profile.measure import heap_sampling_available, phase_memory, synchronize
 from lazyzero.plan.problem import BIT_WIDTHS
 from lazyzero.plan.profile.data import TensorInfo
+from lazyzero.plan.profile.measure import heap_sampling_available, phase_memory, synchronize
 
 IGNORE_INDEX = -100
 

@@ -1,4 +1,4 @@
-"""Machine measurements of the planner's profile: copy paths, optimizer steps, collectives (issue 7).
+"""Machine measurements of the planner's profile: copy paths, optimizer steps, collectives (docs/plan.md).
 
 Every figure is what one training rank sees, measured while all ranks of the job measure the same
 thing at once (ranks of one host share its cores, memory bus and disk, as they do in training).
@@ -27,8 +27,8 @@ from pathlib import Path
 
 import torch
 
-from lazyzero.plan.profile.measure import median_seconds, synchronize
 from lazyzero.plan.profile.data import Bandwidth, CollectiveSpeed, NvmeSetup, OptimizerSpeed
+from lazyzero.plan.profile.measure import median_seconds, synchronize
 
 HYPERPARAMETERS = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2)
 OPTIMIZER_TENSORS = 4

@@ -1,4 +1,4 @@
-"""The planner's profiler (issue 7, item 1): measured costs of a model and machine, cached in a file.
+"""The planner's profiler (docs/plan.md): measured costs of a model and machine, cached in a file.
 
 `profile_model` measures, for one micro-batch of the run's shape and with the thread count the
 caller runs at (`torch.get_num_threads()`), what the planner needs: per decoder layer forward,
@@ -32,12 +32,21 @@ import torch
 from torch import nn
 
 from lazyzero.config.models import ActivationsConfig
+from lazyzero.plan.costs import EMBED_AND_HEAD
 from lazyzero.plan.profile import layers as layers_
 from lazyzero.plan.profile import machine as machine_
-from lazyzero.plan.costs import EMBED_AND_HEAD
+from lazyzero.plan.profile.data import (
+    DECODER,
+    EMBED_AND_HEAD_KIND,
+    PROFILE_KIND,
+    PROFILE_VERSION,
+    Fingerprint,
+    LayerProfile,
+    MachineProfile,
+    MemorySnapshot,
+    ModelProfile,
+)
 from lazyzero.plan.profile.measure import process_rss_bytes
-from lazyzero.plan.profile.data import (DECODER, EMBED_AND_HEAD_KIND, PROFILE_KIND, PROFILE_VERSION, Fingerprint,
-                                           LayerProfile, MachineProfile, MemorySnapshot, ModelProfile)
 
 # Config keys that do not change what a training step computes (labels, special ids, output flags).
 VOLATILE_CONFIG_KEYS = frozenset({

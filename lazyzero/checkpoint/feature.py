@@ -1,0 +1,103 @@
+"""Checkpoints as an engine feature (lazyzero/engine/features.py). Always part of the engine:
+whatever the settings it verifies a checkpoint against its manifest before loading it and saves
+and restores the per-rank state other features keep (lazyzero_rank<R>.pt); with
+`checkpoint.enabled` it also makes saves lazy (docs/checkpoint.md): DeepSpeed's save returns once
+the snapshot is queued and the files are committed in the background."""
+
+from __future__ import annotations
+
+import os
+from contextlib import nullcontext
+
+from lazyzero.checkpoint import engine_hooks
+from lazyzero.checkpoint.nvme_restore import replay_cpu_adam_after_load, restore_nvme_offloaded_state
+
+
+class CheckpointFeature:
+    def __init__(self, lazyzero_config, **_):
+        self.config = lazyzero_config
+        self.inside_lazy_save = False
+
+    @property
+    def lazy(self) -> bool:
+        return self.config.checkpoint.enabled
+
+    def checkpoint_engine(self, engine):
+        return engine_hooks.lazy_checkpoint_engine(engine) if self.lazy else None
+
+    # --- saving ----------------------------------------------------------------------------------
+
+    def around_save(self, engine, save_dir, save_latest):
+        return engine_hooks.lazy_save(engine, self, save_dir, save_latest) if self.lazy else nullcontext()
+
+    def writes_latest_itself(self, engine) -> bool:
+        # 'latest' is written by the background commit, by rename, once every file is durable.
+        return self.lazy
+
+    def after_deepspeed_saved(self, engine, save_dir, tag) -> None:
+        engine_hooks.save_rank_state(engine, save_dir, tag)
+
+    def after_zero_checkpoint_saved(self, engine, save_path, tag) -> None:
+        if self.lazy:
+            engine_hooks.snapshot_nvme_optimizer_files(engine, save_path, tag)
+
+    def hides_optimizer_swap_folder(self, engine) -> bool:
+        # During a lazy save DeepSpeed must not copy the swap folder itself (synchronously, outside
+        # the commit): the snapshot reads it instead (snapshot_nvme_optimizer_files).
+        return self.inside_lazy_save
+
+    def before_model_step(self, engine) -> None:
+        if self.lazy:
+            engine.checkpoint_engine.before_optimizer_step()
+
+    def wait(self, engine) -> None:
+        if self.lazy:
+            engine.checkpoint_engine.wait()
+
+    # --- loading ---------------------------------------------------------------------------------
+
+    def before_load(self, engine, request=None) -> None:
+        # Loading changes the state: a snapshot still being taken must end first.
+        if self.lazy:
+            engine.checkpoint_engine.before_optimizer_step()
+
+    def resolve_load_tag(self, engine, load_dir, tag):
+        return engine_hooks.prepare_load(engine, self.lazy, load_dir, tag)
+
+    def after_load(self, engine, request) -> None:
+        if request.load_path is None or not request.load_optimizer_states or request.load_module_only:
+            return
+        if engine.zero_nvme_offload_optimizer() and not request.resharded:
+            restore_nvme_offloaded_state(engine, request.load_dir, request.tag)
+        replay_cpu_adam_after_load(engine)
+        engine_hooks.restore_rank_state(engine, os.path.join(request.load_dir, request.tag))
+
+    # --- per-rank state and the end --------------------------------------------------------------
+
+    def keeps_rank_state(self, engine) -> bool:
+        return self.lazy
+
+    def rank_state(self, engine) -> dict:
+        return {"rng": engine_hooks.rng_state()} if self.lazy else {}
+
+    def load_rank_state(self, engine, state: dict) -> None:
+        if "rng" in state:
+            engine_hooks.restore_rng_state(state["rng"])
+
+    def step_metrics(self, engine) -> dict:
+        """This rank's figures of the newest committed checkpoint: `checkpoint_tag`, `checkpoint_bytes`
+        (`checkpoint_direct_bytes` of them serialized straight from training's memory),
+        `checkpoint_copy_s` (from `save_checkpoint` returning to the snapshot taken),
+        `checkpoint_step_wait_s` (what optimizer steps waited for it), `checkpoint_write_s` (to this
+        rank's files durable) and `checkpoint_commit_s` (to the commit)."""
+        commit = engine.checkpoint_engine.last_commit if self.lazy else None
+        if commit is None:
+            return {}
+        return dict(checkpoint_tag=commit["tag"], checkpoint_bytes=commit["bytes"],
+                    checkpoint_direct_bytes=commit["direct_bytes"], checkpoint_step_wait_s=commit["step_wait_s"],
+                    checkpoint_copy_s=commit["copy_s"], checkpoint_write_s=commit["write_s"],
+                    checkpoint_commit_s=commit["queued_to_committed_s"])
+
+    def close(self, engine) -> None:
+        if self.lazy and getattr(engine, "checkpoint_engine", None) is not None:
+            engine.checkpoint_engine.close()

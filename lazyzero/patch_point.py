@@ -1,0 +1,258 @@
+"""The one door through which lazyzero changes DeepSpeed's classes, objects and module globals.
+
+lazyzero subclasses where DeepSpeed offers a class to subclass (the engine, the ZeRO-3 optimizer,
+checkpoint engines). Where it does not, a change goes through this module: `PATCH_POINTS` declares
+every attribute that may change, with its kind and the parameters of DeepSpeed's original, and
+tests/engine/test_patch_point.py checks each against the installed DeepSpeed. The door refuses
+anything undeclared, a second change of one attribute on one object (two features on one method
+must be composed in one place, in the open), and a replacement that would hide an override in a
+subclass from outside DeepSpeed (lazyzero's own, such as TieredZeroOptimizer_Stage3, or a user's)
+unless the caller says why that is correct (`over_override`). Every change is
+logged with DeepSpeed's version (`applied_patches`). The map of changes and why each is needed:
+docs/deepspeed-internals.md, "Where lazyzero changes DeepSpeed".
+
+Kinds:
+- REPLACE: a method replaced on one object; the new function runs instead of DeepSpeed's and takes
+  exactly the original's parameters (without self), since DeepSpeed calls it as it calls its own.
+- WRAP: a method wrapped on one object; DeepSpeed's method, as the object's class resolves it,
+  still runs inside the wrapper, so no override is hidden.
+- SWAP: a module or class attribute swapped for the duration of a block (while DeepSpeed builds).
+- EXTEND: an item appended to a module-level list of DeepSpeed's, once.
+"""
+
+from __future__ import annotations
+
+import inspect
+import weakref
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import deepspeed
+
+REPLACE, WRAP, SWAP, EXTEND = "replace", "wrap", "swap", "extend"
+
+_STAGE3 = "deepspeed.runtime.zero.stage3:DeepSpeedZeroOptimizer_Stage3"
+_STAGE12 = "deepspeed.runtime.zero.stage_1_and_2:DeepSpeedZeroOptimizer"
+
+
+@dataclass(frozen=True)
+class PatchPoint:
+    """One DeepSpeed attribute lazyzero may change. `target` is "module:Qualified.attribute";
+    `parameters` names the original callable's parameters without self (None: not callable)."""
+
+    target: str
+    kind: str
+    parameters: tuple[str, ...] | None
+    why: str
+
+    @property
+    def attribute(self) -> str:
+        return self.target.partition(":")[2].rpartition(".")[2]
+
+
+_STEP_GUARD = "int8 gradients: an overflow seen by any rank skips the step on every rank (gradients/zero_hooks.py)"
+
+PATCH_POINTS: tuple[PatchPoint, ...] = (
+    # int8 gradient exchange (gradients/zero_hooks.py): DeepSpeed has no hook for the collective.
+    PatchPoint(f"{_STAGE3}._DeepSpeedZeroOptimizer_Stage3__avg_scatter_grads", REPLACE,
+               ("params_to_reduce", "communication_data_type"),
+               "int8 reduce-scatter of a ZeRO-3 gradient bucket instead of the full-precision one"),
+    PatchPoint(f"{_STAGE3}._DeepSpeedZeroOptimizer_Stage3__avg_scatter_contiguous_grads", REPLACE,
+               ("buffer_to_reduce", "communication_data_type"),
+               "int8 reduce-scatter of a contiguous ZeRO-3 bucket (reduce_scatter false) instead of an all-reduce"),
+    PatchPoint(f"{_STAGE12}.average_tensor", REPLACE, ("tensor", "communication_data_type"),
+               "int8 reduction of a ZeRO-1/2 gradient bucket to its owners"),
+    PatchPoint("deepspeed.runtime.engine:DeepSpeedEngine.allreduce_bucket", REPLACE,
+               ("bucket", "dp_group", "dp_world_size"),
+               "int8 all-reduce of a stage-0 (or BF16_Optimizer) gradient bucket"),
+    PatchPoint(f"{_STAGE3}._update_scale", WRAP, ("has_overflow",), _STEP_GUARD),
+    PatchPoint(f"{_STAGE12}._update_scale", WRAP, ("has_overflow",), _STEP_GUARD),
+    PatchPoint("deepspeed.runtime.bf16_optimizer:BF16_Optimizer.step", WRAP, ("closure",), _STEP_GUARD),
+    PatchPoint("deepspeed.runtime.fp16.fused_optimizer:FP16_Optimizer.step", WRAP, ("closure",), _STEP_GUARD),
+    PatchPoint("deepspeed.runtime.fp16.unfused_optimizer:FP16_UnfusedOptimizer.step", WRAP, ("closure",),
+               _STEP_GUARD),
+    # The basic optimizer DeepSpeed steps itself at stage 0 (torch's, DeepSpeed's FusedAdam, the 8-bit one).
+    PatchPoint("torch.optim.optimizer:Optimizer.step", WRAP, ("closure",), _STEP_GUARD),
+    # Fused clipping with the 8-bit optimizer (optimizer/clipping.py).
+    PatchPoint(f"{_STAGE12}.scaled_global_norm", REPLACE, ("norm_type",),
+               "fused global norm of the ZeRO-1/2 gradient partitions, one reduction across ranks"),
+    PatchPoint(f"{_STAGE12}.unscale_and_clip_grads", REPLACE, ("grad_groups_flat", "total_norm"),
+               "the clip factor goes to the 8-bit step as grad_scale instead of a pass over the gradients"),
+    PatchPoint(f"{_STAGE3}._get_norm_groups", REPLACE, (),
+               "fused global norm of the ZeRO-3 gradient partitions, one reduction across ranks"),
+    PatchPoint(f"{_STAGE3}.unscale_and_clip_grads", REPLACE, ("sub_group_id", "total_norm"),
+               "the clip factor goes to the 8-bit step as grad_scale instead of a pass over the gradients"),
+    # Classes DeepSpeed picks from a module global or a class attribute while it builds ZeRO-3.
+    PatchPoint("deepspeed.runtime.zero.stage3:PartitionedOptimizerSwapper", SWAP,
+               ("swap_config", "aio_config", "base_folder", "optimizer", "largest_numel", "device", "dtype",
+                "timers"),
+               "8-bit optimizer states swap to NVMe packed (optimizer/nvme_swap.py)"),
+    PatchPoint(_STAGE3, SWAP,
+               ("module", "init_optimizer", "param_names", "timers", "ds_config", "static_loss_scale",
+                "dynamic_loss_scale", "dynamic_loss_args", "verbose", "contiguous_gradients", "reduce_bucket_size",
+                "prefetch_bucket_size", "max_reuse_distance", "max_live_parameters", "param_persistence_threshold",
+                "model_persistence_threshold", "dp_process_group", "reduce_scatter", "overlap_comm",
+                "offload_optimizer_config", "offload_param_config", "zenflow_config", "sub_group_size",
+                "offload_ratio", "mpu", "clip_grad", "gradient_accumulation_dtype", "communication_data_type",
+                "fp16_master_weights_and_gradients", "bf16_master_weights_and_gradients", "bf16_optimizer_states",
+                "postscale_gradients", "gradient_predivide_factor", "gradient_accumulation_steps",
+                "elastic_checkpoint", "aio_config", "all2all_process_group", "zero_hpz_partition_size",
+                "zero_quantized_weights", "zero_quantized_nontrainable_weights", "zero_module_granularity_threshold",
+                "log_trace_cache_warnings", "enable_sanity_checks", "cpuadam_cores_perc",
+                "save_muon_momentum_buffer_in_memory"),
+               "the engine builds TieredZeroOptimizer_Stage3 for a per-layer placement (plan/zero_placement.py)"),
+    PatchPoint("deepspeed.runtime.zero.partition_parameters:Init._partition_param", SWAP,
+               ("param", "buffer", "has_been_updated", "free_data"),
+               "only the placed parameters' partitions go to NVMe at conversion (plan/zero_placement.py)"),
+    PatchPoint("deepspeed.runtime.zero.utils:ZERO_SUPPORTED_OPTIMIZERS", EXTEND, None,
+               "ZeRO accepts the 8-bit optimizers without zero_allow_untested_optimizer (optimizer/engine_setup.py)"),
+)
+
+_BY_TARGET = {point.target: point for point in PATCH_POINTS}
+
+
+@dataclass(frozen=True)
+class AppliedPatch:
+    """One change made through the door: the declared `target`, the `attribute` changed, on what
+    (`holder`: the object's class or the module), by whom, under which DeepSpeed."""
+
+    target: str
+    attribute: str
+    holder: str
+    owner: str
+    deepspeed_version: str
+    over_override: str | None = None
+
+
+_applied: list[AppliedPatch] = []
+# object -> attribute -> owner, for the refusal of a second change on the same object.
+_changed_on_objects: weakref.WeakKeyDictionary[object, dict[str, str]] = weakref.WeakKeyDictionary()
+# (id of the module or class, attribute) -> owner, while a swap is active.
+_active_swaps: dict[tuple[int, str], str] = {}
+
+
+class PatchRefused(RuntimeError):
+    """A change the door does not allow; the message says which and what to do instead."""
+
+
+def applied_patches() -> tuple[AppliedPatch, ...]:
+    """Every change made through the door in this process, oldest first."""
+    return tuple(_applied)
+
+
+def replace_method(obj, name: str, new: Callable, *, owner: str, over_override: str | None = None) -> None:
+    """Make `obj.name` be `new` (a plain function: DeepSpeed calls it with the original's parameters,
+    without self) on this object only. `over_override`: why hiding the override of `name` in a
+    subclass from outside DeepSpeed is correct; required when such an override exists."""
+    point = _point_on_object(obj, name, REPLACE)
+    _check_parameters(point, new)
+    hidden = _overrides_below(type(obj), _declaring_class(type(obj), point), name)
+    if hidden and not over_override:
+        raise PatchRefused(
+            f"{owner} replaces {name} on a {type(obj).__name__}, whose {', '.join(hidden)} overrides DeepSpeed's "
+            f"{point.target}: the replacement would hide that override. Compose them explicitly, or pass "
+            "over_override='<why replacing it is correct>'")
+    _claim_on_object(obj, name, owner)
+    setattr(obj, name, new)
+    _record(point, obj, owner, over_override if hidden else None)
+
+
+def wrap_method(obj, name: str, wrapper: Callable, *, owner: str) -> None:
+    """Make `obj.name(*args, **kwargs)` call `wrapper(original, *args, **kwargs)` on this object only,
+    `original` being the method as the object resolved it before (overrides included)."""
+    point = _point_on_object(obj, name, WRAP)
+    _claim_on_object(obj, name, owner)
+    original = getattr(obj, name)
+
+    def wrapped(*args, **kwargs):
+        return wrapper(original, *args, **kwargs)
+
+    setattr(obj, name, wrapped)
+    _record(point, obj, owner)
+
+
+@contextmanager
+def swapped(holder, name: str, new, *, owner: str) -> Iterator[None]:
+    """`holder.name` (a module global or a class attribute) is `new` inside the block, and what it
+    was again after it, also on an exception. A swap of the same attribute inside is refused."""
+    point = _declared(_target_of(holder, name), SWAP, f"{owner} swaps {name}")
+    key = (id(holder), name)
+    if key in _active_swaps:
+        raise PatchRefused(f"{owner} swaps {point.target}, already swapped by {_active_swaps[key]} in an enclosing "
+                           "block: one swap must build what both need")
+    original = getattr(holder, name)
+    _active_swaps[key] = owner
+    setattr(holder, name, new)
+    _record(point, holder, owner)
+    try:
+        yield
+    finally:
+        setattr(holder, name, original)
+        del _active_swaps[key]
+
+
+def extend_list(module, name: str, item, *, owner: str) -> None:
+    """Append `item` to the list `module.name` unless it is there already."""
+    point = _declared(_target_of(module, name), EXTEND, f"{owner} extends {name}")
+    items = getattr(module, name)
+    if item not in items:
+        items.append(item)
+        _record(point, module, owner)
+
+
+# ------------------------------------------------------------------------------- the checks
+
+def _target_of(holder, name: str) -> str:
+    if inspect.ismodule(holder):
+        return f"{holder.__name__}:{name}"
+    return f"{holder.__module__}:{holder.__qualname__}.{name}"
+
+
+def _declared(target: str, kind: str, doing: str) -> PatchPoint:
+    point = _BY_TARGET.get(target)
+    if point is None:
+        raise PatchRefused(f"{doing}: {target} is not declared in lazyzero/patch_point.py PATCH_POINTS")
+    if point.kind != kind:
+        raise PatchRefused(f"{doing}: {target} is declared as {point.kind}, not {kind}")
+    return point
+
+
+def _point_on_object(obj, name: str, kind: str) -> PatchPoint:
+    """The entry for `name` on the most derived class of `obj` that declares one."""
+    for cls in type(obj).__mro__:
+        point = _BY_TARGET.get(_target_of(cls, name))
+        if point is not None:
+            return _declared(point.target, kind, f"changing {name} on a {type(obj).__name__}")
+    raise PatchRefused(f"{name} on a {type(obj).__name__}: no class of its MRO declares it in "
+                       "lazyzero/patch_point.py PATCH_POINTS")
+
+
+def _check_parameters(point: PatchPoint, new: Callable) -> None:
+    names = tuple(inspect.signature(new).parameters)
+    if names != point.parameters:
+        raise PatchRefused(f"the replacement of {point.target} takes {names}; DeepSpeed's takes {point.parameters}")
+
+
+def _declaring_class(cls: type, point: PatchPoint) -> type:
+    return next(c for c in cls.__mro__ if _target_of(c, point.attribute) == point.target)
+
+
+def _overrides_below(cls: type, declaring: type, name: str) -> list[str]:
+    """Classes not from DeepSpeed between `cls` and `declaring` that define `name` themselves."""
+    below = cls.__mro__[:cls.__mro__.index(declaring)]
+    return [f"{c.__module__}.{c.__qualname__}" for c in below
+            if name in vars(c) and not c.__module__.startswith("deepspeed.")]
+
+
+def _claim_on_object(obj, name: str, owner: str) -> None:
+    claimed = _changed_on_objects.setdefault(obj, {})
+    if name in claimed:
+        raise PatchRefused(f"{owner} changes {name} on a {type(obj).__name__} that {claimed[name]} changed already: "
+                           "write the composition of both out in one place")
+    claimed[name] = owner
+
+
+def _record(point: PatchPoint, holder, owner: str, over_override: str | None = None) -> None:
+    where = holder.__name__ if inspect.ismodule(holder) or inspect.isclass(holder) else type(holder).__name__
+    _applied.append(AppliedPatch(point.target, point.attribute, where, owner, deepspeed.__version__, over_override))

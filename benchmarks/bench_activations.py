@@ -37,7 +37,8 @@ from lazyzero.config.models import ActivationsConfig  # noqa: E402
 from lazyzero.models.build import build_model  # noqa: E402
 from lazyzero.plan.profile.measure import heap_live_bytes, peak_bytes  # noqa: E402
 
-POLICIES = {"default": ActivationsConfig(enabled=True), "attention_8bit": ActivationsConfig(enabled=True, attention_bits=8),
+POLICIES = {"default": ActivationsConfig(enabled=True),
+            "attention_8bit": ActivationsConfig(enabled=True, attention_bits=8),
             "attention_input_exact": ActivationsConfig(enabled=True, attention_input_bits=16)}
 UNQUANTIZED = ActivationsConfig(enabled=True, default_bits=16, attention_bits=16)
 
@@ -108,7 +109,8 @@ def main() -> None:
         accounting = trainee.step(config)
         prefix = "" if name == "default" else f"{name}_"
         results[f"{prefix}saved_bytes_ratio"] = accounting.total().after / baseline_bytes
-        results[f"{prefix}peak_mem_ratio"] = peak_bytes(lambda config=config: trainee.step(config), device, floor) / peak_baseline
+        results[f"{prefix}peak_mem_ratio"] = (peak_bytes(lambda config=config: trainee.step(config), device, floor)
+                                              / peak_baseline)
         results[f"{prefix}step_time_ratio"] = times[name] / times["baseline"]
         details[f"{name}_bytes_by_kind"] = bytes_by_kind(accounting)
         if name == "default":

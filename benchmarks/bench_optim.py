@@ -213,7 +213,8 @@ def cpu_details(seconds: dict[str, float], optimizers: dict[str, torch.optim.Opt
 def engine_config(eight_bit: bool) -> dict:
     config = {"train_micro_batch_size_per_gpu": ENGINE_BATCH, "gradient_accumulation_steps": 1,
               "gradient_clipping": ENGINE_CLIP,
-              "optimizer": {"type": "AdamW", "params": {"lr": HYPERPARAMETERS["lr"], "betas": list(HYPERPARAMETERS["betas"]),
+              "optimizer": {"type": "AdamW", "params": {"lr": HYPERPARAMETERS["lr"],
+                                                        "betas": list(HYPERPARAMETERS["betas"]),
                                                         "eps": HYPERPARAMETERS["eps"],
                                                         "weight_decay": HYPERPARAMETERS["weight_decay"]}},
               "zero_optimization": {"stage": 2}, "steps_per_print": 10**9}

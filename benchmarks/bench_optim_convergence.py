@@ -25,7 +25,8 @@ from convergence import ROOT, TAIL, parse_args, plot_panels, tail_mean, train  #
 CONFIGS = ROOT / "ds_configs"
 LAYOUTS = {
     "stage2": {"fp32": CONFIGS / "cpu_demo_zero2.json", "8bit": CONFIGS / "cpu_demo_adam8bit.json"},
-    "stage3_cpu_offload": {"fp32": CONFIGS / "cpu_demo_offload.json", "8bit": CONFIGS / "cpu_demo_adam8bit_offload.json"},
+    "stage3_cpu_offload": {"fp32": CONFIGS / "cpu_demo_offload.json",
+                           "8bit": CONFIGS / "cpu_demo_adam8bit_offload.json"},
 }
 
 

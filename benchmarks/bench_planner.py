@@ -117,7 +117,8 @@ def baseline_configs(work: Path, nvme: str) -> dict[str, dict]:
     configs = {}
     for name, plan in (("fixed_rule", fixed_rule_plan(problem, FIXED_RULE_K)),
                        ("deepspeed_default", deepspeed_default_plan(problem))):
-        configs[name] = implied_setup(problem, plan, base=base_config(nvme, work), nvme_path=nvme, sizes=sizes).ds_config
+        configs[name] = implied_setup(problem, plan, base=base_config(nvme, work), nvme_path=nvme,
+                                      sizes=sizes).ds_config
     return configs
 
 
@@ -153,11 +154,13 @@ def main() -> None:
     first, last = checks[0], checks[-1]
     results.update(
         pred_error_step_time=abs(first["step_time_error"]), pred_error_peak_mem=abs(first["peak_error"]),
-        pred_error_step_time_replanned=abs(last["step_time_error"]), pred_error_peak_mem_replanned=abs(last["peak_error"]),
+        pred_error_step_time_replanned=abs(last["step_time_error"]),
+        pred_error_peak_mem_replanned=abs(last["peak_error"]),
         speedup_vs_fixed_rule=step_s["fixed_rule"] / step_s["planned"],
         speedup_vs_deepspeed_default=step_s["deepspeed_default"] / step_s["planned"],
         peak_over_budget_planned=peak["planned"] / budget)
-    details = {"step_s": step_s, "peak_rss_bytes": peak, "budget_per_rank_bytes": budget, "headroom_share": HEADROOM_SHARE,
+    details = {"step_s": step_s, "peak_rss_bytes": peak, "budget_per_rank_bytes": budget,
+               "headroom_share": HEADROOM_SHARE,
                "plan_layers": plan["layers"], "plan_checks": checks,
                "peak_over_budget": {name: value / budget for name, value in peak.items()},
                "model": MODEL, "seq_len": SEQ_LEN, "micro_batch": MICRO_BATCH, "steps": steps, "ranks": RANKS}

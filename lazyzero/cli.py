@@ -1,4 +1,5 @@
-"""`lazyzero` command line: `train`, `plan`, `profile`, `config check|reference`, `ops build|status`, `ckpt ls|verify|export`.
+"""`lazyzero` command line: `train`, `plan`, `profile`, `config check|reference`, `ops build|status`,
+`ckpt ls|verify|export`.
 
 Later capabilities (profile) add their own sub-commands here.
 """
@@ -89,7 +90,8 @@ def _profile(args: argparse.Namespace) -> int:
 
 
 def _add_profile_command(sub) -> None:
-    profile = sub.add_parser("profile", help="measure per-layer costs and machine speeds for the planner (cached in a file)")
+    profile = sub.add_parser("profile",
+                             help="measure per-layer costs and machine speeds for the planner (cached in a file)")
     profile.add_argument("--model", required=True, help="preset name, a config.json or a local checkpoint folder")
     profile.add_argument("--family", default=None, choices=["llama", "qwen2", "mistral", "gpt2"],
                          help="architecture for a preset (default llama)")
@@ -97,29 +99,36 @@ def _add_profile_command(sub) -> None:
     profile.add_argument("--seq", type=int, required=True, help="sequence length")
     profile.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="parameter and activation dtype")
     profile.add_argument("--nvme", metavar="PATH", default=None, help="folder whose NVMe write/read speed to measure")
-    profile.add_argument("--deepspeed_config", metavar="FILE", default=None, help="DeepSpeed config whose \"aio\" section to use")
+    profile.add_argument("--deepspeed_config", metavar="FILE", default=None,
+                         help="DeepSpeed config whose \"aio\" section to use")
     profile.add_argument("--repeats", type=int, default=5, help="timed runs per measurement (the median is kept)")
-    profile.add_argument("--out", required=True, metavar="FILE", help="profile JSON (reused when model and machine match)")
+    profile.add_argument("--out", required=True, metavar="FILE",
+                         help="profile JSON (reused when model and machine match)")
     profile.set_defaults(func=_profile)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="lazyzero", description="DeepSpeed ZeRO, planned, quantized and checkpointed lazily.")
+    parser = argparse.ArgumentParser(prog="lazyzero",
+                                     description="DeepSpeed ZeRO, planned, quantized and checkpointed lazily.")
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("train", help="train a model (all arguments go to python -m lazyzero.train; see --help)", add_help=False)
+    sub.add_parser("train", help="train a model (all arguments go to python -m lazyzero.train; see --help)",
+                   add_help=False)
     from lazyzero.plan.commands import add_plan_command
 
     add_plan_command(sub)
     _add_profile_command(sub)
 
-    config = sub.add_parser("config", help="validate configs or print the config reference").add_subparsers(dest="action", required=True)
+    config = sub.add_parser("config", help="validate configs or print the config reference").add_subparsers(
+        dest="action", required=True)
     check = config.add_parser("check", help="validate DeepSpeed JSON files with a \"lazyzero\" section")
     check.add_argument("files", nargs="+")
-    check.add_argument("--world-size", type=int, default=None, help="also check settings that depend on the number of ranks")
+    check.add_argument("--world-size", type=int, default=None,
+                       help="also check settings that depend on the number of ranks")
     check.set_defaults(func=_config_check)
     reference = config.add_parser("reference", help="print the \"lazyzero\" config reference (Markdown)")
     reference.add_argument("--write", metavar="FILE", default=None,
-                           help="replace the block between the config-reference markers in FILE (docs/config.md) instead")
+                           help="replace the block between the config-reference markers in FILE (docs/config.md) "
+                                "instead")
     reference.set_defaults(func=_config_reference)
 
     ops = sub.add_parser("ops", help="build or inspect the native ops").add_subparsers(dest="action", required=True)
@@ -130,7 +139,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     from lazyzero.checkpoint.commands import add_ckpt_commands
 
-    ckpt = sub.add_parser("ckpt", help="list, verify or export lazyzero checkpoints").add_subparsers(dest="action", required=True)
+    ckpt = sub.add_parser("ckpt", help="list, verify or export lazyzero checkpoints").add_subparsers(
+        dest="action", required=True)
     add_ckpt_commands(ckpt)
     return parser
 

@@ -21,19 +21,24 @@ def build_parser() -> argparse.ArgumentParser:
                    help="DeepSpeed JSON config (with an optional \"lazyzero\" section)")
     p.add_argument("--model", default="demo", help="preset name (tiny, demo, 125m, 1b, 7b, 13b, 27b), a real model "
                    "(smollm2-135m), a .gguf file, a config.json or a local checkpoint folder")
-    p.add_argument("--family", default=None, choices=["llama", "qwen2", "mistral", "gpt2"], help="architecture for a preset (default llama)")
+    p.add_argument("--family", default=None, choices=["llama", "qwen2", "mistral", "gpt2"],
+                   help="architecture for a preset (default llama)")
     p.add_argument("--tokenizer", default=None, help="local tokenizer folder (default: a real model's own, "
                    "else byte-level; never downloaded)")
-    p.add_argument("--data", default=None, help="local .txt or .jsonl training file (default: the shipped arithmetic problems)")
+    p.add_argument("--data", default=None,
+                   help="local .txt or .jsonl training file (default: the shipped arithmetic problems)")
     p.add_argument("--difficulty", default="starter", choices=list(DIFFICULTIES),
                    help="difficulty of the generated problems (train and eval)")
     p.add_argument("--train-examples", type=int, default=20000, help="generated training problems")
-    p.add_argument("--eval-problems", type=int, default=64, help="generated eval problems for exact-match accuracy (0: no eval)")
-    p.add_argument("--eval-max-new-tokens", type=int, default=56, help="decoding steps per eval prompt (the default answers need about 45)")
+    p.add_argument("--eval-problems", type=int, default=64,
+                   help="generated eval problems for exact-match accuracy (0: no eval)")
+    p.add_argument("--eval-max-new-tokens", type=int, default=56,
+                   help="decoding steps per eval prompt (the default answers need about 45)")
     p.add_argument("--seq-len", type=int, default=192)
     p.add_argument("--max-steps", type=int, default=150, help="optimizer steps to run")
     p.add_argument("--seed", type=int, default=1234)
-    p.add_argument("--output-dir", default=None, help="metrics.jsonl, report.json and report.png go here (default runs/<config>-<model>)")
+    p.add_argument("--output-dir", default=None,
+                   help="metrics.jsonl, report.json and report.png go here (default runs/<config>-<model>)")
     p.add_argument("--save-every", type=int, default=0, help="save a checkpoint every N steps (0: never)")
     p.add_argument("--save-dir", default=None, help="checkpoint folder (required with --save-every or --resume)")
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --save-dir")
@@ -51,7 +56,8 @@ def check_args(args: argparse.Namespace) -> None:
     if (args.save_every or args.resume) and not args.save_dir:
         raise SystemExit("--save-every and --resume need --save-dir DIR")
     if args.resume and not (Path(args.save_dir) / "latest").is_file():
-        raise SystemExit(f"--resume: no checkpoint in {args.save_dir} (no 'latest' file); run without --resume to start fresh")
+        raise SystemExit(f"--resume: no checkpoint in {args.save_dir} (no 'latest' file); "
+                         "run without --resume to start fresh")
 
 
 def plan_for_the_run(ds_config: dict, seq_len: int, save_every: int) -> None:

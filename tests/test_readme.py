@@ -69,7 +69,8 @@ def test_readme_links_every_docs_page():
     assert not missing, f"README.md does not link {missing}"
 
 
-MARKDOWN_PAGES = ["README.md", "benchmarks/README.md", *(f"docs/{p.name}" for p in sorted((ROOT / "docs").glob("*.md")))]
+MARKDOWN_PAGES = ["README.md", "benchmarks/README.md",
+                  *(f"docs/{p.name}" for p in sorted((ROOT / "docs").glob("*.md")))]
 
 
 @pytest.mark.parametrize("page", MARKDOWN_PAGES)

@@ -151,11 +151,13 @@ class Trainer:
             "model": self.args.model, "family": self.args.family or "llama",
             "deepspeed_config": str(self.args.deepspeed_config), "world_size": self.world,
             "zero_stage": self.engine.zero_optimization_stage(),
-            "parameters": sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in self.engine.module.parameters()),
+            "parameters": sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel()
+                              for p in self.engine.module.parameters()),
             "steps": len(records), "first_loss": records[0]["loss"] if records else None,
             "final_loss": records[-1]["loss"] if records else None,
             "mean_last_10_loss": sum(r["loss"] for r in records[-10:]) / max(1, len(records[-10:])),
-            "eval_problems": len(self.eval_problems), "eval_accuracy_before": acc_before, "eval_accuracy_after": acc_after,
+            "eval_problems": len(self.eval_problems), "eval_accuracy_before": acc_before,
+            "eval_accuracy_after": acc_after,
             "mean_tokens_per_s": sum(r["tokens_per_s"] for r in records) / max(1, len(records)),
             "peak_mem_bytes": max((r["peak_mem_bytes"] for r in records), default=peak_memory_bytes()),
             "memory_kind": "GPU max allocated" if torch.cuda.is_available() else "process peak RSS",
@@ -183,7 +185,8 @@ def _whole_shards(problems: list, world: int, rank: int) -> list:
     number of prompts, in lockstep (ZeRO-3 gathers parameters collectively in every forward)."""
     kept = len(problems) // world * world
     if problems and not kept:
-        raise SystemExit(f"--eval-problems {len(problems)}: need at least one per rank ({world} ranks), or 0 for no eval")
+        raise SystemExit(f"--eval-problems {len(problems)}: need at least one per rank ({world} ranks), "
+                         "or 0 for no eval")
     if kept < len(problems) and rank == 0:
         print(f"lazyzero: evaluating {kept} of {len(problems)} problems, a multiple of the {world} ranks")
     return problems[:kept]

@@ -50,13 +50,15 @@ def add_ckpt_commands(actions: argparse._SubParsersAction) -> None:
 
     verify = actions.add_parser("verify", help="check the size and hash of every file against the manifest")
     verify.add_argument("dir", help="the checkpoint folder (--save-dir of the run)")
-    verify.add_argument("tag", nargs="?", default=None, help="default: the tag 'latest' names, else the newest committed")
+    verify.add_argument("tag", nargs="?", default=None,
+                        help="default: the tag 'latest' names, else the newest committed")
     verify.add_argument("--all", action="store_true", help="verify every tag folder")
     verify.set_defaults(func=_usage_errors_exit_2(verify_command))
 
     export = actions.add_parser("export", help="write a plain DeepSpeed checkpoint folder (verified first)")
     export.add_argument("dir", help="the checkpoint folder (--save-dir of the run)")
-    export.add_argument("tag", nargs="?", default=None, help="default: the tag 'latest' names, else the newest committed")
+    export.add_argument("tag", nargs="?", default=None,
+                        help="default: the tag 'latest' names, else the newest committed")
     export.add_argument("--out", required=True, help="new (or empty) folder; files are hard links where possible, so "
                         "do not modify them in place")
     export.add_argument("--fp32", metavar="FILE", default=None,

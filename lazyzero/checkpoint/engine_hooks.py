@@ -60,7 +60,8 @@ def snapshot_nvme_optimizer_files(engine, save_dir: str, tag: str) -> None:
         relative = source.relative_to(swap_folder)
         if any("gradient" in part for part in relative.parts):
             continue
-        engine.checkpoint_engine.add_raw_file(f"offloaded_tensors/rank{dp_index_to_str(rank)}/{relative.as_posix()}", str(source))
+        engine.checkpoint_engine.add_raw_file(
+            f"offloaded_tensors/rank{dp_index_to_str(rank)}/{relative.as_posix()}", str(source))
 
 
 def prepare_load(engine, lazy: bool, load_dir: str, tag: str | None) -> str | None:

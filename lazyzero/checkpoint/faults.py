@@ -76,4 +76,5 @@ def io_fault(op: str, path: str) -> None:
         hit = _io_calls[op] == int(parts[1])
     if hit:
         code = getattr(errno_codes, parts[2]) if len(parts) > 2 else errno_codes.ENOSPC
-        raise OSError(code, f"{os.strerror(code)} (injected by LAZYZERO_IO_FAULT={os.environ['LAZYZERO_IO_FAULT']})", path)
+        raise OSError(code, f"{os.strerror(code)} (injected by LAZYZERO_IO_FAULT={os.environ['LAZYZERO_IO_FAULT']})",
+                      path)

@@ -41,5 +41,6 @@ def read_latest(save_dir: str | os.PathLike) -> str | None:
 def check_tag(tag: str) -> str:
     """A tag names one folder directly under save_dir: no separators, not hidden, not '.' or '..'."""
     if not tag or "/" in tag or os.sep in tag or tag.startswith(".") or tag == LATEST_NAME:
-        raise ValueError(f"checkpoint tag {tag!r}: must be a plain folder name, not starting with '.', not {LATEST_NAME!r}")
+        raise ValueError(f"checkpoint tag {tag!r}: must be a plain folder name, not starting with '.', "
+                         f"not {LATEST_NAME!r}")
     return tag

@@ -189,7 +189,8 @@ class LazyCheckpointEngine(CheckpointEngine):
 
     def create(self, info: CheckpointCommitInfo):
         if self._current is None:
-            raise RuntimeError("LazyCheckpointEngine.create without prepare: save through LazyZeroEngine.save_checkpoint")
+            raise RuntimeError("LazyCheckpointEngine.create without prepare: "
+                               "save through LazyZeroEngine.save_checkpoint")
         self._current.tag = check_tag(info.tag)
         temp_dir(self._current.save_dir, info.tag).mkdir(parents=True, exist_ok=True)
 
@@ -315,14 +316,16 @@ class LazyCheckpointEngine(CheckpointEngine):
         try:
             deleted = commit_on_rank0(checkpoint.save_dir, manifest, checkpoint.save_latest, self.config.keep_last)
         except BaseException as err:  # noqa: BLE001 - shared with every rank by the broadcast
-            renamed = not temp_dir(checkpoint.save_dir, checkpoint.tag).exists() and (checkpoint.save_dir / checkpoint.tag).is_dir()
+            renamed = (not temp_dir(checkpoint.save_dir, checkpoint.tag).exists()
+                       and (checkpoint.save_dir / checkpoint.tag).is_dir())
             discard_temp(checkpoint.save_dir, checkpoint.tag)
             if not renamed:
                 return f"checkpoint {checkpoint.tag!r} was not committed: rank 0: {type(err).__name__}: {err}"
-            return (f"checkpoint {checkpoint.tag!r} is complete in {checkpoint.save_dir / checkpoint.tag} but 'latest' was "
-                    f"not advanced to it: rank 0: {type(err).__name__}: {err}")
+            return (f"checkpoint {checkpoint.tag!r} is complete in {checkpoint.save_dir / checkpoint.tag} "
+                    f"but 'latest' was not advanced to it: rank 0: {type(err).__name__}: {err}")
         if deleted:
-            print(f"lazyzero: keep_last={self.config.keep_last}: deleted checkpoint(s) {', '.join(deleted)}", flush=True)
+            print(f"lazyzero: keep_last={self.config.keep_last}: deleted checkpoint(s) {', '.join(deleted)}",
+                  flush=True)
         return None
 
     def _finish(self, checkpoint: PendingCheckpoint, error: str | None) -> None:

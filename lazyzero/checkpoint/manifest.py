@@ -95,7 +95,8 @@ def find_problems(tag_dir: str | os.PathLike, manifest: Manifest, check_hashes: 
     for path in sorted(p for p in root.rglob("*") if p.is_file()):
         relpath = path.relative_to(root).as_posix()
         if relpath != MANIFEST_NAME and relpath not in manifest.files:
-            problems.append(f"{path}: not in the manifest (foreign file); expected only the {len(manifest.files)} files it lists")
+            problems.append(f"{path}: not in the manifest (foreign file); "
+                            f"expected only the {len(manifest.files)} files it lists")
     return problems
 
 
@@ -104,7 +105,8 @@ def verify_checkpoint(tag_dir: str | os.PathLike) -> Manifest:
     manifest = read_manifest(tag_dir)
     problems = find_problems(tag_dir, manifest)
     if problems:
-        raise CheckpointDamagedError(f"checkpoint {tag_dir} is damaged ({len(problems)} problem(s)):\n  " + "\n  ".join(problems))
+        raise CheckpointDamagedError(f"checkpoint {tag_dir} is damaged ({len(problems)} problem(s)):\n  "
+                                     + "\n  ".join(problems))
     return manifest
 
 

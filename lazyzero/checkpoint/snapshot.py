@@ -166,7 +166,8 @@ def is_whole_host_storage(tensor: torch.Tensor) -> bool:
 def snapshot_file(relpath: str, source: str | os.PathLike, buffers: HostBuffers) -> FileSnapshot:
     """A FileSnapshot of a file on disk (NVMe-resident optimizer state), read later by `run_copies`."""
     size = os.path.getsize(source)
-    return FileSnapshot(relpath, raw_source=str(source), raw=buffers.get((relpath, "raw"), torch.Size([size]), torch.uint8))
+    return FileSnapshot(relpath, raw_source=str(source),
+                        raw=buffers.get((relpath, "raw"), torch.Size([size]), torch.uint8))
 
 
 def run_copies(files: list[FileSnapshot]) -> None:

@@ -99,7 +99,8 @@ def _optimizer_conflicts(config: LazyZeroConfig, ds_config: dict) -> list[Proble
     if not (isinstance(ds_type, str) and ds_type.lower() in ADAM_FAMILY):
         problems.append(Problem.conflict(
             "lazyzero.optimizer.enabled", True, "false unless optimizer.type is Adam or AdamW",
-            f"optimizer.type is {ds_type!r}; the 8-bit optimizers replace Adam or AdamW and take their hyper-parameters"))
+            f"optimizer.type is {ds_type!r}; the 8-bit optimizers replace Adam or AdamW and take their "
+            "hyper-parameters"))
     return problems
 
 

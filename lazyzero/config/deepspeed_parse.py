@@ -37,7 +37,8 @@ def deepspeed_parse_problems(ds_config: dict, world_size: Optional[int], source:
     try:
         # A deep copy: DeepSpeed's parsers may rewrite nested dicts, and the caller's config is not ours to change.
         DeepSpeedConfig(copy.deepcopy(view))
-    except Exception as error:  # DeepSpeed reports bad settings as AssertionError, ValueError, pydantic errors, KeyError...
+    except Exception as error:  # DeepSpeed reports bad settings as AssertionError, ValueError,
+        # pydantic errors, KeyError...
         return [Problem(source or "DeepSpeed config",
                         f"DeepSpeed's own parse failed: {type(error).__name__}: {_one_line(error)}{note}")]
     return []

@@ -1,4 +1,5 @@
-"""How configuration problems are worded and raised (docs/reliability.md, guarantee 6: key path, value, what is allowed)."""
+"""How configuration problems are worded and raised (docs/reliability.md, guarantee 6: key path, value,
+what is allowed)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ _MAX_VALUE_CHARS = 60
 
 
 def render_value(value: Any) -> str:
-    """A value as the user wrote it: strings quoted like Python ('int8'), everything else as JSON (true, null, [1, 2])."""
+    """A value as the user wrote it: strings quoted like Python ('int8'), everything else as JSON
+    (true, null, [1, 2])."""
     if isinstance(value, str):
         text = repr(value)
     else:

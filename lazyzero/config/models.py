@@ -47,25 +47,33 @@ class PlanConfig(ConfigSection):
     """MILP memory planner: where each tensor lives (GPU, CPU, NVMe) and at what precision."""
 
     enabled: bool = False
-    """Let the planner choose placement and precision per layer within the budgets below (needs ZeRO stage 3 and `seq_len`)."""
+    """Let the planner choose placement and precision per layer within the budgets below (needs ZeRO stage 3 and
+    `seq_len`)."""
 
     seq_len: Optional[int] = Field(None, ge=1)
-    """Tokens per training sequence: the planner profiles and plans micro-batches of this shape. Required with `enabled`."""
+    """Tokens per training sequence: the planner profiles and plans micro-batches of this shape. Required with
+    `enabled`."""
 
     gpu_mem: Optional[MemorySize] = None
     """GPU memory budget per rank. null: the device's total memory. Not allowed on a machine without CUDA."""
 
     cpu_mem: Optional[MemorySize] = None
-    """CPU memory budget per node, shared by its ranks (on a machine without a GPU, the memory training computes in). null: the machine's total memory."""
+    """CPU memory budget per node, shared by its ranks (on a machine without a GPU, the memory training computes
+    in). null: the machine's total memory."""
 
     headroom_share: Optional[float] = Field(None, ge=0, le=1)
-    """Compute-memory budget measured on this machine instead of given in bytes: this share of the way from the least budget that admits a plan (0) to what the plan with every tensor in memory needs (1), both from the run's own profile, so that one config holds wherever it runs (another torch build or library version moves both). It takes the place of `cpu_mem` on a machine without a GPU and of `gpu_mem` on CUDA, which must then be null. null: the byte budgets decide."""
+    """Compute-memory budget measured on this machine instead of given in bytes: this share of the way from the
+    least budget that admits a plan (0) to what the plan with every tensor in memory needs (1), both from the run's
+    own profile, so that one config holds wherever it runs (another torch build or library version moves both). It
+    takes the place of `cpu_mem` on a machine without a GPU and of `gpu_mem` on CUDA, which must then be null. null:
+    the byte budgets decide."""
 
     nvme_path: Optional[NonEmptyStr] = None
     """Existing, writable folder the planner may spill tensors to. null: no NVMe tier."""
 
     memory_reserve: float = Field(0.1, ge=0, lt=1)
-    """Share of the compute-memory budget left unplanned, for what the planner's memory model does not see (library buffers, allocator slack): the predicted peak stays under (1 - memory_reserve) x the budget."""
+    """Share of the compute-memory budget left unplanned, for what the planner's memory model does not see (library
+    buffers, allocator slack): the predicted peak stays under (1 - memory_reserve) x the budget."""
 
     allowed_bits: list[Literal[4, 8, 16]] = Field(default_factory=lambda: [16, 8, 4], min_length=1)
     """Widths the planner may store saved activations at (16 keeps them as saved)."""
@@ -83,25 +91,32 @@ class PlanConfig(ConfigSection):
     """Relative optimality gap at which the solver stops (0.01: within 1% of the optimum)."""
 
     profile_path: Optional[NonEmptyStr] = None
-    """Profile file (`lazyzero profile`): reused when model, run shape and machine match, else measured at start and written there. null: measured at start, kept in ~/.cache/lazyzero/profiles."""
+    """Profile file (`lazyzero profile`): reused when model, run shape and machine match, else measured at start and
+    written there. null: measured at start, kept in ~/.cache/lazyzero/profiles."""
 
     plan_path: Optional[NonEmptyStr] = None
-    """A plan.json (from `lazyzero plan --profile`, or a planned run's `output_dir`) to apply instead of solving at start; it must fit this model and these budgets. null: solve."""
+    """A plan.json (from `lazyzero plan --profile`, or a planned run's `output_dir`) to apply instead of solving at
+    start; it must fit this model and these budgets. null: solve."""
 
     output_dir: Optional[NonEmptyStr] = None
-    """Folder where rank 0 writes plan.json, the DeepSpeed config the plan implies and memory.png at start. null: not written (the plan is printed)."""
+    """Folder where rank 0 writes plan.json, the DeepSpeed config the plan implies and memory.png at start. null:
+    not written (the plan is printed)."""
 
     measure_steps: int = Field(3, ge=1)
-    """Optimizer steps, after the first, over which measured step time and peak memory are compared with the prediction."""
+    """Optimizer steps, after the first, over which measured step time and peak memory are compared with the
+    prediction."""
 
     replan: bool = True
-    """Plan again, with the measurements, when they differ from the prediction by more than `replan_margin` (activation choices only: placements are fixed once DeepSpeed is built)."""
+    """Plan again, with the measurements, when they differ from the prediction by more than `replan_margin`
+    (activation choices only: placements are fixed once DeepSpeed is built)."""
 
     replan_margin: float = Field(0.15, gt=0)
     """Relative difference between measured and predicted step time or peak memory that triggers a new plan."""
 
     checkpoint_every: Optional[int] = Field(None, ge=1)
-    """Optimizer steps between the run's lazy checkpoints: the planner spreads each snapshot's copy traffic over the compute windows of that many steps, beside the other transfers. null: none planned (`lazyzero train --save-every N` sets it)."""
+    """Optimizer steps between the run's lazy checkpoints: the planner spreads each snapshot's copy traffic over the
+    compute windows of that many steps, beside the other transfers. null: none planned
+    (`lazyzero train --save-every N` sets it)."""
 
 
 class ActivationsConfig(ConfigSection):
@@ -117,10 +132,14 @@ class ActivationsConfig(ConfigSection):
     """Bits for tensors saved by attention, whose softmax is too sensitive for 4 bits."""
 
     attention_input_bits: Optional[Literal[4, 8, 16]] = None
-    """Bits for the attention module's input (the output of the norm before it, read only by the q/k/v projections' weight gradients); unset: the layer's norm width, and rebuilt from the norm's stored input at no cost where `recompute_elementwise` applies; 16 keeps it exact. Attention's own tensors (q, k, v, output) keep `attention_bits`."""
+    """Bits for the attention module's input (the output of the norm before it, read only by the q/k/v projections'
+    weight gradients); unset: the layer's norm width, and rebuilt from the norm's stored input at no cost where
+    `recompute_elementwise` applies; 16 keeps it exact. Attention's own tensors (q, k, v, output) keep
+    `attention_bits`."""
 
     norm_bits: Literal[4, 8, 16] = 8
-    """Fewest bits for tensors saved by norms (their input is the residual stream, whose outlier channels 4-bit blocks handle worst); a wider layer width applies."""
+    """Fewest bits for tensors saved by norms (their input is the residual stream, whose outlier channels 4-bit
+    blocks handle worst); a wider layer width applies."""
 
     block_size: PowerOfTwo(32, 4096) = 64
     """Elements sharing one scale; smaller blocks follow local magnitudes more closely."""
@@ -129,22 +148,29 @@ class ActivationsConfig(ConfigSection):
     """Round to a neighbouring code at random (unbiased) instead of to the nearest one."""
 
     overrides: dict[NonEmptyStr, Literal[4, 8, 16]] = Field(default_factory=dict)
-    """Bits per module: module-name glob pattern (fnmatch, e.g. "model.layers.0.*") -> bits; the first matching pattern, in the order written, wins."""
+    """Bits per module: module-name glob pattern (fnmatch, e.g. "model.layers.0.*") -> bits; the first matching
+    pattern, in the order written, wins."""
 
     recompute_layers: LayerIndices = Field(default_factory=list)
     """Layers whose activations are recomputed in backward instead of saved."""
 
     recompute_elementwise: bool = True
-    """In quantized modules, store only what cheap elementwise work cannot rebuild: norms keep just their input, gated MLPs drop act(gate) and the product (rebuilt in backward, no extra matmul)."""
+    """In quantized modules, store only what cheap elementwise work cannot rebuild: norms keep just their input,
+    gated MLPs drop act(gate) and the product (rebuilt in backward, no extra matmul)."""
 
     offload_layers: dict[LayerKey, Literal["cpu", "nvme"]] = Field(default_factory=dict)
-    """Layers whose stored activations (packed, or kept at 16 bits) leave the device right after they are saved and are read back ahead of their backward: layer index -> "cpu" (pinned host memory; on a machine without CUDA they already are in host memory and stay there) or "nvme" (files under `offload_nvme_path`). Not for layers in `recompute_layers`."""
+    """Layers whose stored activations (packed, or kept at 16 bits) leave the device right after they are saved and
+    are read back ahead of their backward: layer index -> "cpu" (pinned host memory; on a machine without CUDA they
+    already are in host memory and stay there) or "nvme" (files under `offload_nvme_path`). Not for layers in
+    `recompute_layers`."""
 
     offload_nvme_path: Optional[NonEmptyStr] = None
-    """Existing, writable folder for the files of the "nvme" layers (one sub-folder per rank and process, removed when training ends); required when a layer says "nvme"."""
+    """Existing, writable folder for the files of the "nvme" layers (one sub-folder per rank and process, removed
+    when training ends); required when a layer says "nvme"."""
 
     offload_prefetch_layers: int = Field(1, ge=0)
-    """How far ahead backward reads offloaded activations: when layer j's backward starts, the reads of layer j (those not asked yet) and of layers j-1 to j-N start. 0: each tensor is read when backward needs it."""
+    """How far ahead backward reads offloaded activations: when layer j's backward starts, the reads of layer j
+    (those not asked yet) and of layers j-1 to j-N start. 0: each tensor is read when backward needs it."""
 
 
 class GradientsConfig(ConfigSection):
@@ -180,7 +206,8 @@ class OptimizerConfig(ConfigSection):
     retired_values = {"type": {"none": "switch the 8-bit optimizer off with lazyzero.optimizer.enabled: false"}}
 
     enabled: bool = False
-    """Replace DeepSpeed's Adam or AdamW (hyper-parameters from its "optimizer" section) by the 8-bit `type`; false keeps it."""
+    """Replace DeepSpeed's Adam or AdamW (hyper-parameters from its "optimizer" section) by the 8-bit `type`; false
+    keeps it."""
 
     type: Literal["adamw8bit", "adam8bit"] = "adamw8bit"
     """The 8-bit optimizer: "adamw8bit" (decoupled weight decay, as AdamW) or "adam8bit" (L2 decay, as Adam)."""
@@ -192,7 +219,8 @@ class OptimizerConfig(ConfigSection):
     """Parameters with fewer elements keep fp32 states (the scales would outweigh the saving)."""
 
     fp32_patterns: list[NonEmptyStr] = Field(default_factory=lambda: ["*embed*", "*norm*"])
-    """Parameter-name glob patterns (fnmatch) whose states stay fp32; embeddings and norms are sensitive to quantization."""
+    """Parameter-name glob patterns (fnmatch) whose states stay fp32; embeddings and norms are sensitive to
+    quantization."""
 
     fraction_8bit: Optional[float] = Field(None, ge=0, le=1)
     """Fraction of the eligible parameters' elements given 8-bit states, largest tensors first. null: all."""
@@ -217,7 +245,9 @@ class CheckpointConfig(ConfigSection):
     """Keep the newest N committed checkpoints and delete older ones. null: keep all."""
 
     host_buffer_limit: Optional[MemorySizeAtLeast(STAGING_BLOCK_BYTES, "one 8 MiB staging block")] = None
-    """Host memory for the snapshot: buffers of device tensors, views and NVMe swap files, and the staging blocks files are written through (at least one 8 MiB block; at the limit they wait for the disk). null: as much as one snapshot needs."""
+    """Host memory for the snapshot: buffers of device tensors, views and NVMe swap files, and the staging blocks
+    files are written through (at least one 8 MiB block; at the limit they wait for the disk). null: as much as one
+    snapshot needs."""
 
     max_in_flight: int = Field(1, ge=1)
     """Snapshots that may be queued or being written at once; a further save waits."""

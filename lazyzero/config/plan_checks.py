@@ -28,7 +28,8 @@ def plan_problems(config: LazyZeroConfig, ds_config: dict) -> list[Problem]:
     problems = []
     if config.plan.seq_len is None:
         problems.append(Problem.missing("lazyzero.plan.seq_len",
-                                        "an integer >= 1 (the sequence length to plan for) when lazyzero.plan.enabled is true"))
+                                        "an integer >= 1 (the sequence length to plan for) "
+                                        "when lazyzero.plan.enabled is true"))
     if config.plan.headroom_share is not None and config.plan.gpu_mem is not None:
         problems.append(Problem.conflict(
             "lazyzero.plan.gpu_mem", config.plan.gpu_mem, "null while lazyzero.plan.headroom_share is set",

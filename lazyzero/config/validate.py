@@ -45,17 +45,21 @@ def load_ds_config_file(path: Union[str, os.PathLike]) -> dict:
     except IsADirectoryError:
         raise LazyZeroConfigError([Problem(name, "got a directory; allowed: a JSON file")]) from None
     except UnicodeDecodeError as error:
-        raise LazyZeroConfigError([Problem(name, f"not UTF-8 text (byte {error.start}); allowed: a JSON file")]) from None
+        raise LazyZeroConfigError(
+            [Problem(name, f"not UTF-8 text (byte {error.start}); allowed: a JSON file")]) from None
     except OSError as error:
-        raise LazyZeroConfigError([Problem(name, f"cannot be read ({error.strerror}); allowed: a readable JSON file")]) from None
+        raise LazyZeroConfigError(
+            [Problem(name, f"cannot be read ({error.strerror}); allowed: a readable JSON file")]) from None
     try:
         loaded = json.loads(text, object_pairs_hook=_object_without_duplicates, parse_constant=_reject_constant)
     except json.JSONDecodeError as error:
-        raise LazyZeroConfigError([Problem(f"{name}:{error.lineno}:{error.colno}", f"invalid JSON: {error.msg}")]) from None
+        raise LazyZeroConfigError(
+            [Problem(f"{name}:{error.lineno}:{error.colno}", f"invalid JSON: {error.msg}")]) from None
     except (_DuplicateKey, _NonStandardConstant) as error:
         raise LazyZeroConfigError([Problem(name, f"invalid JSON: {error}")]) from None
     if not isinstance(loaded, dict):
-        raise LazyZeroConfigError([Problem(name, f"got a JSON {type(loaded).__name__} at the top level; allowed: a JSON object")])
+        raise LazyZeroConfigError(
+            [Problem(name, f"got a JSON {type(loaded).__name__} at the top level; allowed: a JSON object")])
     return loaded
 
 

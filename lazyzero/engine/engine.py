@@ -101,7 +101,8 @@ class LazyZeroEngine(DeepSpeedEngine):
                                            exclude_frozen_parameters=exclude_frozen_parameters)
 
     def _save_checkpoint(self, save_dir, tag, client_state={}, exclude_frozen_parameters=False):  # noqa: B006 - DeepSpeed's signature
-        super()._save_checkpoint(save_dir, tag, client_state=client_state, exclude_frozen_parameters=exclude_frozen_parameters)
+        super()._save_checkpoint(save_dir, tag, client_state=client_state,
+                                 exclude_frozen_parameters=exclude_frozen_parameters)
         self.lazyzero_features.call("after_deepspeed_saved", self, save_dir, tag)
 
     def _save_zero_checkpoint(self, save_path, tag):
@@ -146,7 +147,8 @@ class LazyZeroEngine(DeepSpeedEngine):
         names = super()._get_all_ckpt_names(checkpoints_path, tag)
         request = getattr(self, "_lazyzero_load", None)
         if not names and request is not None:
-            return self.lazyzero_features.first("checkpoint_names_when_missing", self, request, checkpoints_path) or names
+            return (self.lazyzero_features.first("checkpoint_names_when_missing", self, request, checkpoints_path)
+                    or names)
         return names
 
     def _load_zero_checkpoint(self, load_dir, tag, load_optimizer_states=True):

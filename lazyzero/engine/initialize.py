@@ -52,7 +52,8 @@ def initialize(
     from lazyzero.engine.features import FeatureSet
 
     if isinstance(model, PipelineModule):
-        raise ValueError("lazyzero does not support PipelineModule models; use deepspeed.initialize for pipeline parallelism")
+        raise ValueError("lazyzero does not support PipelineModule models; "
+                         "use deepspeed.initialize for pipeline parallelism")
     zero.partition_parameters.shutdown_init_context()
     dist.init_distributed(dist_backend=get_accelerator().communication_backend_name(),
                           distributed_port=_rendezvous_port(distributed_port, TORCH_DISTRIBUTED_DEFAULT_PORT),
@@ -73,7 +74,8 @@ def initialize(
     deepspeed.merge_tp_model_init_into_config(ds_config, mpu, mesh_param, dist)
     config_class = DeepSpeedConfig(ds_config, mpu, mesh_device=mesh_device)
     if config_class.hybrid_engine.enabled:
-        raise ValueError("hybrid_engine.enabled: got true; allowed: false (lazyzero does not support DeepSpeed's hybrid engine)")
+        raise ValueError("hybrid_engine.enabled: got true; allowed: false "
+                         "(lazyzero does not support DeepSpeed's hybrid engine)")
     features.call("check_parsed_config", config_class, model)
     deepspeed.set_optimizer_flags(config_class, model)
     engine = LazyZeroEngine(args=args, model=model, optimizer=optimizer,

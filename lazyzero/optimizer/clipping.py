@@ -65,7 +65,8 @@ def norm_from_offload_copies(zero_optimizer, params: Iterable[torch.Tensor], gro
     """The global norm from the per-parameter norms DeepSpeed recorded while offloading gradients
     (`norm_for_param_grads`: the norm of this rank's part of each parameter's gradient)."""
     recorded = zero_optimizer.norm_for_param_grads
-    squares = [recorded[key].double() ** 2 for key in (zero_optimizer.get_param_id(p) for p in params) if key in recorded]
+    squares = [recorded[key].double() ** 2 for key in (zero_optimizer.get_param_id(p) for p in params)
+               if key in recorded]
     # The norms were taken on the accelerator, where the reduction runs too.
     device = get_accelerator().current_device_name()
     local = torch.stack(squares).sum() if squares else torch.zeros((), dtype=torch.float64, device=device)

@@ -28,7 +28,8 @@ from lazyzero.optimizer.adam8bit_optimizer import decode_moments, encode_moments
 def saved_optimizer_files(load_dir: str, tag: str) -> list[str]:
     """The tag's ZeRO optimizer files, in data-parallel rank order (model-parallel rank 0)."""
     pattern = os.path.join(load_dir, str(tag), "*zero_pp_rank_*_mp_rank_00_optim_states.pt")
-    return sorted(glob.glob(pattern), key=lambda path: int(os.path.basename(path).split("zero_pp_rank_")[1].split("_")[0]))
+    return sorted(glob.glob(pattern),
+                  key=lambda path: int(os.path.basename(path).split("zero_pp_rank_")[1].split("_")[0]))
 
 
 def reshard_needed(engine, load_dir: str, tag: str) -> bool:

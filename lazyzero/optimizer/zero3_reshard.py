@@ -62,7 +62,8 @@ class SavedRanks:
                           for path in files]
         self.world = len(files)
         base = self.documents[0][OPTIMIZER_STATE_DICT]
-        self.block_sizes = {index: group.get("block_size") for group in base["param_groups"] for index in group["params"]}
+        self.block_sizes = {index: group.get("block_size")
+                            for group in base["param_groups"] for index in group["params"]}
         self.where, self.numels = self._layout(param_shapes)
         swapped = [sub_group for sub_group, numel in enumerate(self.numels)
                    if numel and not self.documents[0][FP32_FLAT_GROUPS][sub_group].numel()]
@@ -134,7 +135,8 @@ class SavedRanks:
             state = self._state(rank, sub_group)
             tensors = {"value": self.documents[rank][FP32_FLAT_GROUPS][sub_group],
                        **{key: state[key].view(-1) for key in (*EIGHT_BIT_KEYS, *FP32_KEYS) if key in state}}
-            return {key: (lambda start, end, tensor=tensor: tensor[start:end].clone()) for key, tensor in tensors.items()}
+            return {key: (lambda start, end, tensor=tensor: tensor[start:end].clone())
+                    for key, tensor in tensors.items()}
         return _swap_file_readers(self.swap_files[sub_group][rank], self.numels[sub_group],
                                   self.block_sizes[sub_group], "m_codes" in self._state(rank, sub_group))
 

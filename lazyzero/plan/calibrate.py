@@ -73,12 +73,15 @@ def _in_memory_prediction(problem: PlanProblem) -> tuple[float, float]:
 def _with_overhead(costs, per_layer_s: float, per_step_s: float):
     if costs.name == EMBED_AND_HEAD:
         return replace(costs, bwd_s=max(0.0, costs.bwd_s + per_step_s))
-    return replace(costs, fwd_s=max(0.0, costs.fwd_s + per_layer_s / 3), bwd_s=max(0.0, costs.bwd_s + 2 * per_layer_s / 3))
+    return replace(costs, fwd_s=max(0.0, costs.fwd_s + per_layer_s / 3),
+                   bwd_s=max(0.0, costs.bwd_s + 2 * per_layer_s / 3))
 
 
-def calibrated_problem(problem: PlanProblem, plan: Plan, measured_step_s: float, measured_peak_bytes: float) -> PlanProblem:
+def calibrated_problem(problem: PlanProblem, plan: Plan, measured_step_s: float,
+                       measured_peak_bytes: float) -> PlanProblem:
     if measured_step_s <= 0 or plan.predicted_step_s <= 0:
-        raise ValueError(f"step times must be > 0, got measured {measured_step_s!r}, predicted {plan.predicted_step_s!r}")
+        raise ValueError(f"step times must be > 0, got measured {measured_step_s!r}, "
+                         f"predicted {plan.predicted_step_s!r}")
     speed = measured_step_s / plan.predicted_step_s
     layers = tuple(replace(c, fwd_s=c.fwd_s * speed, bwd_s=c.bwd_s * speed,
                            quality_cost={bits: cost * speed for bits, cost in c.quality_cost.items()})

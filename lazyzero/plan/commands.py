@@ -32,9 +32,12 @@ def add_plan_command(sub) -> None:
     source.add_argument("--model", choices=sorted(PRESETS), help="model preset (analytic costs)")
     source.add_argument("--profile", metavar="FILE", help="measured profile (lazyzero profile, or a planned run's)")
     plan.add_argument("--gpu-mem", type=_memory_size, default=None,
-                      help="GPU memory budget per rank, e.g. 70GB (needed unless the profile is from a machine without a GPU)")
-    plan.add_argument("--cpu-mem", type=_memory_size, default=None, help="host memory budget per node (default: total RAM)")
-    plan.add_argument("--nvme", metavar="PATH", default=None, help="folder on NVMe to spill to (its free space is the budget)")
+                      help="GPU memory budget per rank, e.g. 70GB "
+                           "(needed unless the profile is from a machine without a GPU)")
+    plan.add_argument("--cpu-mem", type=_memory_size, default=None,
+                      help="host memory budget per node (default: total RAM)")
+    plan.add_argument("--nvme", metavar="PATH", default=None,
+                      help="folder on NVMe to spill to (its free space is the budget)")
     plan.add_argument("--ranks-per-node", type=int, default=None,
                       help="with --profile: ranks sharing the host budget (default: the profile's world size)")
     plan.add_argument("--seq", type=int, default=4096, help="sequence length (presets)")
@@ -68,7 +71,8 @@ def run_plan_command(args: argparse.Namespace) -> int:
     except PlanInfeasible:
         greedy = None  # the MILP may still find a plan; if not, it names the binding budget
     try:
-        with Console(stderr=True).status(f"solving the MILP ({problem.num_layers} layers, limit {args.time_limit:g} s)"):
+        with Console(stderr=True).status(f"solving the MILP ({problem.num_layers} layers, "
+                                         f"limit {args.time_limit:g} s)"):
             plan = solve(problem, time_limit_s=args.time_limit, max_gap=args.max_gap, warm_start=greedy)
     except PlanInfeasible as error:
         print(f"lazyzero plan: infeasible budget for tier(s) {', '.join(error.tiers)}: {error}", file=sys.stderr)

@@ -255,7 +255,8 @@ class PlanProblem:
         if self.param_tiers is not None:
             object.__setattr__(self, "param_tiers", tuple(self.param_tiers))
             _require(bool(self.param_tiers) and set(self.param_tiers) <= set(self.machine.tiers), "param_tiers",
-                     f"must be a non-empty subset of the machine's tiers {sorted(self.machine.tiers)}, got {self.param_tiers!r}")
+                     f"must be a non-empty subset of the machine's tiers {sorted(self.machine.tiers)}, "
+                     f"got {self.param_tiers!r}")
         if self.fixed_placements is not None:
             object.__setattr__(self, "fixed_placements", tuple(self.fixed_placements))
             _require(len(self.fixed_placements) == len(self.layers), "fixed_placements",
@@ -368,7 +369,8 @@ def placement_options(problem: PlanProblem, layer: int) -> list[Placement]:
         return [Placement(*problem.fixed_placements[layer])]
     tiers = list(problem.machine.tiers)
     params = [t for t in tiers if problem.param_tiers is None or t in problem.param_tiers]
-    return [Placement(p, s, eight_bit) for p in params for s in tiers for eight_bit in _state_precisions(problem, layer, s)]
+    return [Placement(p, s, eight_bit) for p in params for s in tiers
+            for eight_bit in _state_precisions(problem, layer, s)]
 
 
 def _state_precisions(problem: PlanProblem, layer: int, state_tier: str) -> tuple[bool, ...]:

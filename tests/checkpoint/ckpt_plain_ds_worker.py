@@ -29,7 +29,8 @@ def load_with_plain_deepspeed(config_path: str, load_dir: str, tag: str | None) 
     inputs = load_training_inputs(train_args)
     config = {k: v for k, v in load_ds_config_file(config_path).items() if k != "lazyzero"}
     model = inputs.model
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
+    engine, _, _, _ = deepspeed.initialize(model=model,
+                                           model_parameters=[p for p in model.parameters() if p.requires_grad],
                                            config=config)
     assert type(engine) is deepspeed.DeepSpeedEngine, type(engine)
     path, client_state = engine.load_checkpoint(load_dir, tag=tag)
@@ -37,7 +38,8 @@ def load_with_plain_deepspeed(config_path: str, load_dir: str, tag: str | None) 
     with deepspeed.zero.GatheredParameters(list(engine.module.parameters()), modifier_rank=None):
         params = {name: p.detach().clone() for name, p in engine.module.named_parameters()}
     step = int(client_state["step"])
-    result = {"step": step, "params": params, "next_loss": next_step_loss(engine, inputs.train_set, step, train_args.seed)}
+    result = {"step": step, "params": params,
+              "next_loss": next_step_loss(engine, inputs.train_set, step, train_args.seed)}
     destroy_engine(engine)
     return result
 

@@ -40,7 +40,8 @@ def write_checkpoint(save_dir: Path, tag: str, files: dict[str, bytes], created_
         (tag_dir / relpath).parent.mkdir(parents=True, exist_ok=True)
         (tag_dir / relpath).write_bytes(data)
         entries[relpath] = {"size": len(data), "hash": hash_file(tag_dir / relpath)[1], "rank": 0}
-    manifest = Manifest(tag=tag, world_size=world_size, global_steps=global_steps, files=entries, created_unix=created_unix)
+    manifest = Manifest(tag=tag, world_size=world_size, global_steps=global_steps, files=entries,
+                        created_unix=created_unix)
     manifest.write(tag_dir)
     return manifest
 

@@ -61,8 +61,8 @@ def test_ls_warns_when_latest_names_a_missing_tag(handmade, capsys):
     (handmade / "latest").write_text("t7")
     status, out, _ = _ckpt(capsys, "ls", handmade)
     assert status == 0 and "<- latest" not in out
-    assert out.splitlines()[-1] == (f"warning: {handmade}: 'latest' names 't7', which is missing or was never committed; "
-                                    "loading the newest committed checkpoint 't2' instead")
+    assert out.splitlines()[-1] == (f"warning: {handmade}: 'latest' names 't7', which is missing or was never "
+                                    "committed; loading the newest committed checkpoint 't2' instead")
 
 
 @pytest.mark.parametrize("argv", [["ls"], ["verify"], ["export", "--out", "OUT"]])
@@ -91,7 +91,8 @@ def test_verify_reports_each_problem_and_exits_1(handmade, capsys):
     assert status == 1
     lines = out.splitlines()
     assert lines[0] == "t2: DAMAGED (2 problem(s)):"
-    assert lines[1].startswith(f"  {handmade / 't2' / DS_FILE}: expected xxh3_128 ") and "(contents changed)" in lines[1]
+    assert (lines[1].startswith(f"  {handmade / 't2' / DS_FILE}: expected xxh3_128 ")
+            and "(contents changed)" in lines[1])
     assert f"  {handmade / 't2' / 'extra.pt'}: not in the manifest (foreign file)" in lines[2]
     status, out, _ = _ckpt(capsys, "verify", handmade, "--all")
     assert status == 1 and "t1: OK" in out and "t2: DAMAGED" in out
@@ -140,7 +141,8 @@ def test_export_refuses_before_writing_anything(handmade, tmp_path, capsys):
     assert [p.name for p in taken.iterdir()] == ["keep.txt"]
     inside = handmade / "exported"
     assert _ckpt(capsys, "export", handmade, "--out", inside)[::2] == (
-        2, f"lazyzero ckpt export: --out {inside}: inside the checkpoint folder {handmade}; choose a folder outside it\n")
+        2, f"lazyzero ckpt export: --out {inside}: inside the checkpoint folder {handmade}; "
+           "choose a folder outside it\n")
     existing = tmp_path / "model.pt"
     existing.write_bytes(b"old")
     assert _ckpt(capsys, "export", handmade, "--out", tmp_path / "new", "--fp32", existing)[::2] == (

@@ -55,7 +55,8 @@ def test_one_flipped_bit_names_the_file_and_both_hashes(save_dir, relpath, where
     path.write_bytes(data)
     found = hash_file(path)[1]
     message = _damage_message(save_dir / TAG)
-    assert f"{path}: expected xxh3_128 {_expected(save_dir, relpath)['hash']}, found {found} (contents changed)" in message
+    assert (f"{path}: expected xxh3_128 {_expected(save_dir, relpath)['hash']}, found {found} "
+            "(contents changed)") in message
     assert "1 problem(s)" in message
 
 
@@ -77,7 +78,8 @@ def test_a_foreign_shard_is_named(save_dir):
     """A shard of a larger world (rank 2) left in the tag folder is not silently accepted."""
     foreign = save_dir / TAG / "zero_pp_rank_2_mp_rank_00_optim_states.pt"
     shutil.copyfile(save_dir / TAG / OPTIM_RANK1, foreign)
-    assert f"{foreign}: not in the manifest (foreign file); expected only the 6 files it lists" in _damage_message(save_dir / TAG)
+    assert (f"{foreign}: not in the manifest (foreign file); expected only the 6 files it lists"
+            in _damage_message(save_dir / TAG))
 
 
 def test_shards_swapped_between_ranks_are_both_named(save_dir):
@@ -129,7 +131,8 @@ def _add_leftovers(save_dir):
     return leftovers
 
 
-def test_resume_skips_a_missing_latest_and_removes_leftovers_with_warnings(save_dir, tmp_path, lazy_train, read_run_metrics):
+def test_resume_skips_a_missing_latest_and_removes_leftovers_with_warnings(save_dir, tmp_path, lazy_train,
+                                                                           read_run_metrics):
     (save_dir / "latest").write_text("step9")
     leftovers = _add_leftovers(save_dir)
     assert [entry.tag for entry in list_checkpoints(save_dir)] == committed_tags(save_dir) == ["step2", "step4"]

@@ -46,7 +46,8 @@ def test_saved_file_holds_the_state_at_save_time_not_after_the_next_update(tmp_p
 def test_buffers_over_the_host_limit_are_refused_naming_the_key(tmp_path):
     engine = _engine(host_buffer_limit=BLOCK_BYTES + 4096)  # one staging block and 4 KiB of buffers
     flat = torch.zeros(BLOCK_BYTES // 4 + 4096)
-    with pytest.raises(HostBufferLimitError, match=f"lazyzero.checkpoint.host_buffer_limit: {BLOCK_BYTES + 4096} bytes"):
+    with pytest.raises(HostBufferLimitError,
+                       match=f"lazyzero.checkpoint.host_buffer_limit: {BLOCK_BYTES + 4096} bytes"):
         _save(engine, tmp_path, "step1", {"w": flat[:BLOCK_BYTES // 4 + 2048]})  # a view: a buffer over the limit
     engine.abandon()
     _save(engine, tmp_path, "step2", {"w": flat[:10]})  # the slot came back
@@ -62,7 +63,8 @@ def test_whole_host_tensors_are_written_from_training_memory_before_the_step_and
     flat.zero_(), moment.zero_()  # the step: the file must hold the state of the save
     engine.wait()
     saved = torch.load(tmp_path / "step1" / "model_states.pt", weights_only=False)
-    assert torch.equal(saved["view"], torch.arange(10, 20, dtype=torch.float32)) and saved["view"].untyped_storage().nbytes() == 40
+    assert (torch.equal(saved["view"], torch.arange(10, 20, dtype=torch.float32))
+            and saved["view"].untyped_storage().nbytes() == 40)
     assert torch.equal(saved["moment"], torch.full((4096,), 2.0)) and saved["tied"] is saved["moment"]
     assert engine._free_slots.queue[0]._budget.used_bytes == 40 + BLOCK_BYTES  # the view's buffer and the block
     engine.close()

@@ -44,7 +44,8 @@ def test_an_edited_manifest_fails_its_body_hash(tmp_path, make_checkpoint, edit)
     else:
         document["body"]["global_steps"] = 8
     path.write_text(json.dumps(document))
-    with pytest.raises(CheckpointDamagedError, match=re.escape(f"{path}: damaged; expected body hash {stored_body_hash}, found ")):
+    with pytest.raises(CheckpointDamagedError,
+                       match=re.escape(f"{path}: damaged; expected body hash {stored_body_hash}, found ")):
         read_manifest(tmp_path / "t1")
 
 
@@ -74,7 +75,8 @@ def test_find_problems_names_the_file_what_was_expected_and_found(tmp_path, make
     else:
         path.write_bytes(bytes(reversed(FILES["optim/rank0.pt"])))
     found_size, found_hash = hash_file(path) if path.exists() else (None, None)
-    line = expected_line.format(path=path, size=entry["size"], hash=entry["hash"], found_size=found_size, found_hash=found_hash)
+    line = expected_line.format(path=path, size=entry["size"], hash=entry["hash"], found_size=found_size,
+                                found_hash=found_hash)
     assert find_problems(tmp_path / "t1", manifest) == [line]
     with pytest.raises(CheckpointDamagedError, match="1 problem") as info:
         verify_checkpoint(tmp_path / "t1")
@@ -86,7 +88,8 @@ def test_find_problems_names_foreign_files_at_any_depth(tmp_path, make_checkpoin
     (tmp_path / "t1" / "stray.pt").write_bytes(b"x")
     (tmp_path / "t1" / "optim" / "rank1.pt").write_bytes(b"y")
     assert find_problems(tmp_path / "t1", manifest) == [
-        f"{tmp_path / 't1' / 'optim' / 'rank1.pt'}: not in the manifest (foreign file); expected only the 2 files it lists",
+        (f"{tmp_path / 't1' / 'optim' / 'rank1.pt'}: not in the manifest (foreign file); "
+         "expected only the 2 files it lists"),
         f"{tmp_path / 't1' / 'stray.pt'}: not in the manifest (foreign file); expected only the 2 files it lists",
     ]
 
@@ -113,7 +116,8 @@ def test_resolve_loads_the_tag_latest_names(tmp_path, make_checkpoint):
 
 
 @pytest.mark.parametrize("latest", ["gone", "half"])
-def test_resolve_falls_back_to_the_newest_committed_when_latest_is_missing_or_uncommitted(tmp_path, make_checkpoint, latest):
+def test_resolve_falls_back_to_the_newest_committed_when_latest_is_missing_or_uncommitted(tmp_path, make_checkpoint,
+                                                                                          latest):
     _two_committed(tmp_path, make_checkpoint)
     (tmp_path / "half").mkdir()
     (tmp_path / "half" / "model.pt").write_bytes(b"partial")

@@ -33,7 +33,8 @@ def nvme_config(nvme_path: Path) -> dict:
         "bf16": {"enabled": True},
         "optimizer": {"type": "AdamW",
                       "params": {"lr": 1e-3, "betas": list(BETAS), "eps": 1e-8, "weight_decay": 0.01}},
-        "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 1e-3, "warmup_num_steps": 20}},
+        "scheduler": {"type": "WarmupLR",
+                      "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 1e-3, "warmup_num_steps": 20}},
         "zero_optimization": {
             "stage": 3, "sub_group_size": 1_000_000, "stage3_param_persistence_threshold": 0,
             "stage3_prefetch_bucket_size": 0,

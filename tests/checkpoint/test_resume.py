@@ -1,5 +1,5 @@
-"""docs/reliability.md, what is tested: kill at step k, resume from the lazy checkpoint: the next 20 losses are bit-equal
-to those of an uninterrupted run, on ZeRO stages 1, 2 and 3 (lazyzero.train, 2 real ranks).
+"""docs/reliability.md, what is tested: kill at step k, resume from the lazy checkpoint: the next 20 losses are
+bit-equal to those of an uninterrupted run, on ZeRO stages 1, 2 and 3 (lazyzero.train, 2 real ranks).
 
 At stage 3 the run is really killed (SIGKILL on rank 0 while its second checkpoint is being written,
 so 'latest' still names the first); at stages 1 and 2 the resume starts from a copy of the

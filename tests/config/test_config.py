@@ -140,7 +140,8 @@ PLANNED = {"plan": {"enabled": True, "seq_len": 64}}
 
 
 @pytest.mark.parametrize("ds_settings, path, allowed", [
-    ({"zero_optimization": {"stage": 2}}, "zero_optimization.stage", "got 2; allowed: 3 while lazyzero.plan.enabled is true"),
+    ({"zero_optimization": {"stage": 2}}, "zero_optimization.stage",
+     "got 2; allowed: 3 while lazyzero.plan.enabled is true"),
     ({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}},
      "zero_optimization.offload_optimizer.device", "got 'cpu'; allowed: 'none' (or no section)"),
     ({"zero_optimization": {"stage": 3}, "gradient_accumulation_steps": 4}, "gradient_accumulation_steps",
@@ -165,18 +166,21 @@ def test_headroom_share_is_a_share_and_excludes_a_gpu_byte_budget():
         with pytest.raises(LazyZeroConfigError) as caught:
             validate_ds_config({"zero_optimization": {"stage": 3},
                                 "lazyzero": {"plan": {**PLANNED["plan"], "headroom_share": share}}})
-        problem_line(caught.value, "lazyzero.plan.headroom_share", f"got {share}; allowed: a number from 0 to 1, or null")
+        problem_line(caught.value, "lazyzero.plan.headroom_share",
+                     f"got {share}; allowed: a number from 0 to 1, or null")
     with pytest.raises(LazyZeroConfigError) as caught:
         validate_ds_config({"zero_optimization": {"stage": 3},
                             "lazyzero": {"plan": {**PLANNED["plan"], "headroom_share": 0.3, "gpu_mem": "8GB"}}})
-    problem_line(caught.value, "lazyzero.plan.gpu_mem", "got 8000000000; allowed: null while lazyzero.plan.headroom_share is set")
+    problem_line(caught.value, "lazyzero.plan.gpu_mem",
+                 "got 8000000000; allowed: null while lazyzero.plan.headroom_share is set")
 
 
 def test_planned_checkpoint_traffic_needs_lazy_checkpoints():
     planned = {"plan": {**PLANNED["plan"], "checkpoint_every": 50}}
     with pytest.raises(LazyZeroConfigError) as caught:
         validate_ds_config({"zero_optimization": {"stage": 3}, "lazyzero": planned})
-    problem_line(caught.value, "lazyzero.plan.checkpoint_every", "got 50; allowed: null unless lazyzero.checkpoint.enabled is true")
+    problem_line(caught.value, "lazyzero.plan.checkpoint_every",
+                 "got 50; allowed: null unless lazyzero.checkpoint.enabled is true")
     config = validate_ds_config({"zero_optimization": {"stage": 3},
                                  "lazyzero": {**planned, "checkpoint": {"enabled": True}}})
     assert config.plan.checkpoint_every == 50
@@ -223,27 +227,36 @@ BAD_CONFIGS = [
     ({"optimizer": {"Type": "adam8bit"}}, "lazyzero.optimizer.Type", "did you mean 'type'?"),
     ({"gradients": {"enable": True}}, "lazyzero.gradients.enable", "did you mean 'enabled'?"),
     # DeepSpeedConfigModel would swallow a key named "strict"; ours must not.
-    ({"plan": {"strict": True}}, "lazyzero.plan.strict", "unknown key; allowed keys: allow_8bit_optimizer, allow_recompute"),
+    ({"plan": {"strict": True}}, "lazyzero.plan.strict",
+     "unknown key; allowed keys: allow_8bit_optimizer, allow_recompute"),
     # wrong types
     ([], "lazyzero", "allowed: an object with keys activations, checkpoint, gradients, optimizer, plan"),
     (None, "lazyzero", "got null; allowed: an object with keys activations"),
-    ({"plan": True}, "lazyzero.plan", "allowed: an object with keys allow_8bit_optimizer, allow_recompute, allowed_bits"),
+    ({"plan": True}, "lazyzero.plan",
+     "allowed: an object with keys allow_8bit_optimizer, allow_recompute, allowed_bits"),
     ({"plan": {"enabled": "yes"}}, "lazyzero.plan.enabled", "got 'yes'; allowed: true or false"),
     ({"gradients": {"seed": 1.5}}, "lazyzero.gradients.seed", "got 1.5; allowed: an integer >= 0"),
-    ({"checkpoint": {"writer_threads": "4"}}, "lazyzero.checkpoint.writer_threads", "got '4'; allowed: an integer from 1 to 64"),
-    ({"optimizer": {"fp32_patterns": "*norm*"}}, "lazyzero.optimizer.fp32_patterns", "allowed: a list, each item a non-empty string"),
-    ({"activations": {"overrides": {"mlp.*": "8"}}}, "lazyzero.activations.overrides['mlp.*']", "got '8'; allowed: one of 4, 8, 16"),
-    ({"activations": {"recompute_layers": [0, -2]}}, "lazyzero.activations.recompute_layers[1]", "got -2; allowed: an integer >= 0"),
+    ({"checkpoint": {"writer_threads": "4"}}, "lazyzero.checkpoint.writer_threads",
+     "got '4'; allowed: an integer from 1 to 64"),
+    ({"optimizer": {"fp32_patterns": "*norm*"}}, "lazyzero.optimizer.fp32_patterns",
+     "allowed: a list, each item a non-empty string"),
+    ({"activations": {"overrides": {"mlp.*": "8"}}}, "lazyzero.activations.overrides['mlp.*']",
+     "got '8'; allowed: one of 4, 8, 16"),
+    ({"activations": {"recompute_layers": [0, -2]}}, "lazyzero.activations.recompute_layers[1]",
+     "got -2; allowed: an integer >= 0"),
     # out of range
     ({"plan": {"max_gap": 1.5}}, "lazyzero.plan.max_gap", "got 1.5; allowed: a number from 0 to 1"),
     ({"plan": {"time_limit_s": 0}}, "lazyzero.plan.time_limit_s", "got 0; allowed: a number > 0"),
     ({"plan": {"replan_margin": float("nan")}}, "lazyzero.plan.replan_margin", "allowed: a number > 0"),
-    ({"activations": {"block_size": 48}}, "lazyzero.activations.block_size", "got 48; allowed: a power of two from 32 to 4096"),
+    ({"activations": {"block_size": 48}}, "lazyzero.activations.block_size",
+     "got 48; allowed: a power of two from 32 to 4096"),
     ({"gradients": {"block_size": 16384}}, "lazyzero.gradients.block_size", "allowed: a power of two from 32 to 8192"),
     ({"activations": {"default_bits": 2}}, "lazyzero.activations.default_bits", "got 2; allowed: one of 4, 8, 16"),
     ({"activations": {"attention_bits": 4}}, "lazyzero.activations.attention_bits", "allowed: one of 8, 16"),
-    ({"activations": {"attention_input_bits": 2}}, "lazyzero.activations.attention_input_bits", "got 2; allowed: one of 4, 8, 16"),
-    ({"activations": {"recompute_layers": [3, 3]}}, "lazyzero.activations.recompute_layers", "allowed: a list of distinct layer indices"),
+    ({"activations": {"attention_input_bits": 2}}, "lazyzero.activations.attention_input_bits",
+     "got 2; allowed: one of 4, 8, 16"),
+    ({"activations": {"recompute_layers": [3, 3]}}, "lazyzero.activations.recompute_layers",
+     "allowed: a list of distinct layer indices"),
     ({"activations": {"offload_layers": {"03": "nvme"}}}, "lazyzero.activations.offload_layers['03']",
      "got '03'; allowed: a layer index as a decimal string ('0', '3', ...)"),
     ({"activations": {"offload_layers": {"layer1": "cpu"}}}, "lazyzero.activations.offload_layers['layer1']",
@@ -265,22 +278,28 @@ BAD_CONFIGS = [
      "lazyzero.activations.offload_layers is 'nvme'"),
     ({"checkpoint": {"max_in_flight": 0}}, "lazyzero.checkpoint.max_in_flight", "got 0; allowed: an integer >= 1"),
     ({"gradients": {"enabled": "int8"}}, "lazyzero.gradients.enabled", "got 'int8'; allowed: true or false"),
-    ({"optimizer": {"type": "AdamW8bit"}}, "lazyzero.optimizer.type", "got 'AdamW8bit'; allowed: one of 'adamw8bit', 'adam8bit'"),
+    ({"optimizer": {"type": "AdamW8bit"}}, "lazyzero.optimizer.type",
+     "got 'AdamW8bit'; allowed: one of 'adamw8bit', 'adam8bit'"),
     # bad memory sizes
-    ({"plan": {"gpu_mem": "70 parsecs"}}, "lazyzero.plan.gpu_mem", "allowed: a byte count > 0, or a string like '70GB'"),
+    ({"plan": {"gpu_mem": "70 parsecs"}}, "lazyzero.plan.gpu_mem",
+     "allowed: a byte count > 0, or a string like '70GB'"),
     ({"plan": {"cpu_mem": "auto"}}, "lazyzero.plan.cpu_mem", "got 'auto'; allowed: a byte count > 0"),
     ({"plan": {"gpu_mem": "70G"}}, "lazyzero.plan.gpu_mem", "units B, KB, MB, GB, TB"),
     ({"plan": {"gpu_mem": True}}, "lazyzero.plan.gpu_mem", "got true; allowed: a byte count > 0"),
-    ({"checkpoint": {"host_buffer_limit": 0}}, "lazyzero.checkpoint.host_buffer_limit", "got 0; allowed: a byte count >= 8388608"),
+    ({"checkpoint": {"host_buffer_limit": 0}}, "lazyzero.checkpoint.host_buffer_limit",
+     "got 0; allowed: a byte count >= 8388608"),
     ({"checkpoint": {"host_buffer_limit": "1MB"}}, "lazyzero.checkpoint.host_buffer_limit",
      "got '1MB'; allowed: a byte count >= 8388608 (one 8 MiB staging block)"),
     # features whose runtime has not landed
     ({"gradients": {"error_feedback": True}}, "lazyzero.gradients.error_feedback",
      "got true; allowed: false while lazyzero.gradients.enabled is false"),
     # the planner's own settings, and what it decides in the user's stead
-    ({"plan": {"enabled": True}}, "lazyzero.plan.seq_len", "got nothing; allowed: an integer >= 1 (the sequence length"),
-    ({"plan": {"enabled": True, "seq_len": 64}, "activations": {"default_bits": 8}}, "lazyzero.activations.default_bits",
-     "got 8; allowed: absent (conflict with the DeepSpeed settings around it: the planner sets it when lazyzero.plan.enabled"),
+    ({"plan": {"enabled": True}}, "lazyzero.plan.seq_len",
+     "got nothing; allowed: an integer >= 1 (the sequence length"),
+    ({"plan": {"enabled": True, "seq_len": 64}, "activations": {"default_bits": 8}},
+     "lazyzero.activations.default_bits",
+     "got 8; allowed: absent (conflict with the DeepSpeed settings around it: the planner sets it when "
+     "lazyzero.plan.enabled"),
     ({"plan": {"enabled": True, "seq_len": 64}, "optimizer": {"type": "adamw8bit"}}, "lazyzero.optimizer.type",
      "the planner sets it when lazyzero.plan.enabled is true; remove it, or switch the planner off"),
     ({"plan": {"enabled": True, "seq_len": 64}, "optimizer": {"enabled": False}}, "lazyzero.optimizer.enabled",
@@ -288,10 +307,12 @@ BAD_CONFIGS = [
     ({"plan": {"allowed_bits": [16, 2]}}, "lazyzero.plan.allowed_bits[1]", "got 2; allowed: one of 4, 8, 16"),
     ({"plan": {"measure_steps": 0}}, "lazyzero.plan.measure_steps", "got 0; allowed: an integer >= 1"),
     # lazyzero paths on this machine
-    ({"plan": {"nvme_path": "{tmp}/missing/deeper"}}, "lazyzero.plan.nvme_path", "allowed: an existing directory this process can write to (it does not exist"),
+    ({"plan": {"nvme_path": "{tmp}/missing/deeper"}}, "lazyzero.plan.nvme_path",
+     "allowed: an existing directory this process can write to (it does not exist"),
     ({"plan": {"nvme_path": "{tmp}/a_file"}}, "lazyzero.plan.nvme_path", "(it is not a directory)"),
     ({"activations": {"enabled": True, "offload_layers": {"0": "nvme"}, "offload_nvme_path": "{tmp}/missing"}},
-     "lazyzero.activations.offload_nvme_path", "allowed: an existing directory this process can write to (it does not exist"),
+     "lazyzero.activations.offload_nvme_path",
+     "allowed: an existing directory this process can write to (it does not exist"),
     ({"activations": {"enabled": True, "offload_layers": {"0": "nvme"}, "offload_nvme_path": "{tmp}/a_file"}},
      "lazyzero.activations.offload_nvme_path", "(it is not a directory)"),
 ]
@@ -310,30 +331,39 @@ DEEPSPEED_CONFLICTS = [
     ({"zero_optimization": "yes"}, "zero_optimization", "allowed: an object, or true/false"),
     ({"zero_optimization": {"stage": "3"}}, "zero_optimization.stage", "got '3'; allowed: one of 0, 1, 2, 3"),
     ({"zero_optimization": {"stage": 4}}, "zero_optimization.stage", "got 4; allowed: one of 0, 1, 2, 3"),
-    ({"zero_optimization": {"stage": 3, "offload_param": 5}}, "zero_optimization.offload_param", "allowed: an object, or null"),
+    ({"zero_optimization": {"stage": 3, "offload_param": 5}}, "zero_optimization.offload_param",
+     "allowed: an object, or null"),
     ({"zero_optimization": {"stage": 1, "offload_param": {"device": "cpu"}}}, "zero_optimization.offload_param.device",
      "allowed: 'none' unless zero_optimization.stage is 3 (conflict with the DeepSpeed settings around it"),
-    ({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}}, "zero_optimization.offload_param.nvme_path",
-     "got nothing; allowed: an existing directory this process can write to when zero_optimization.offload_param.device is 'nvme'"),
+    ({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}},
+     "zero_optimization.offload_param.nvme_path",
+     "got nothing; allowed: an existing directory this process can write to when "
+     "zero_optimization.offload_param.device is 'nvme'"),
     ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "nvme", "nvme_path": "{tmp}/missing"}}},
-     "zero_optimization.offload_optimizer.nvme_path", "allowed: an existing directory this process can write to (it does not exist"),
+     "zero_optimization.offload_optimizer.nvme_path",
+     "allowed: an existing directory this process can write to (it does not exist"),
     ({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": "{tmp}/a_file"}}},
      "zero_optimization.offload_param.nvme_path", "(it is not a directory)"),
-    ({"optimizer": {"type": "SGD"}, "lazyzero": {"optimizer": {"enabled": True, "type": "adam8bit"}}}, "lazyzero.optimizer.enabled",
+    ({"optimizer": {"type": "SGD"}, "lazyzero": {"optimizer": {"enabled": True, "type": "adam8bit"}}},
+     "lazyzero.optimizer.enabled",
      "got true; allowed: false unless optimizer.type is Adam or AdamW (conflict with the DeepSpeed settings around it"),
-    ({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": "{tmp}", "pipeline_read": True}},
+    ({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": "{tmp}",
+                                                              "pipeline_read": True}},
       "lazyzero": {"optimizer": {"enabled": True}}}, "lazyzero.optimizer.enabled",
      "allowed: false while zero_optimization.offload_optimizer.pipeline_read is true"),
     ({"zero_optimization": {"stage": 2, "elastic_checkpoint": True}, "lazyzero": {"optimizer": {"enabled": True}}},
      "lazyzero.optimizer.enabled", "allowed: false while zero_optimization.elastic_checkpoint is true"),
     ({"checkpoint": {"load_universal": True}, "lazyzero": {"optimizer": {"enabled": True}}},
      "lazyzero.optimizer.enabled", "allowed: false while checkpoint.load_universal is true"),
-    ({"zero_optimization": {"stage": 3, "zero_quantized_gradients": True}, "lazyzero": {"gradients": {"enabled": True}}},
+    ({"zero_optimization": {"stage": 3, "zero_quantized_gradients": True},
+      "lazyzero": {"gradients": {"enabled": True}}},
      "lazyzero.gradients.enabled", "got true; allowed: false while zero_optimization.zero_quantized_gradients is true"),
     ({"zero_optimization": {"stage": 2, "contiguous_gradients": False}, "lazyzero": {"gradients": {"enabled": True}}},
-     "lazyzero.gradients.enabled", "allowed: false while zero_optimization.contiguous_gradients is false on stage 1 or 2"),
+     "lazyzero.gradients.enabled",
+     "allowed: false while zero_optimization.contiguous_gradients is false on stage 1 or 2"),
     ({"activation_checkpointing": {"cpu_checkpointing": True}, "lazyzero": {"activations": {"enabled": True}}},
-     "activation_checkpointing.cpu_checkpointing", "got true; allowed: false while lazyzero.activations.enabled is true"),
+     "activation_checkpointing.cpu_checkpointing",
+     "got true; allowed: false while lazyzero.activations.enabled is true"),
     ({"checkpoint": {"writer": {"type": "fast"}}, "lazyzero": {"checkpoint": {"enabled": True}}}, "checkpoint.writer",
      "allowed: absent while lazyzero.checkpoint.enabled is true"),
     ({"checkpoint": {"use_node_local_storage": True}, "lazyzero": {"checkpoint": {"enabled": True}}},
@@ -363,11 +393,13 @@ def test_deepspeed_settings_that_do_not_conflict_are_accepted(workdir, ds_config
 
 
 def test_eight_bit_optimizer_over_adamw_with_cpu_offload_is_accepted():
-    validate_ds_config({"optimizer": {"type": "AdamW"}, "lazyzero": {"optimizer": {"enabled": True, "type": "adam8bit"}},
+    validate_ds_config({"optimizer": {"type": "AdamW"},
+                        "lazyzero": {"optimizer": {"enabled": True, "type": "adam8bit"}},
                         "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}})
 
 
-@pytest.mark.parametrize("key_path", ["zero_optimization.offload_param.nvme_path", "lazyzero.activations.offload_nvme_path"])
+@pytest.mark.parametrize("key_path", ["zero_optimization.offload_param.nvme_path",
+                                      "lazyzero.activations.offload_nvme_path"])
 def test_read_only_nvme_path_is_rejected(tmp_path, key_path):
     if os.geteuid() != 0:
         read_only = tmp_path / "read_only"
@@ -414,7 +446,8 @@ def test_every_problem_is_listed_one_per_line_under_a_count():
 
 
 def test_config_that_is_neither_dict_nor_path_is_rejected():
-    with pytest.raises(LazyZeroConfigError, match="DeepSpeed config: got a list; allowed: a dict, or the path of a JSON file"):
+    with pytest.raises(LazyZeroConfigError,
+                       match="DeepSpeed config: got a list; allowed: a dict, or the path of a JSON file"):
         validate_ds_config([("train_batch_size", 8)])
 
 
@@ -433,7 +466,8 @@ def test_world_size_checks_the_two_hop_layout():
 BAD_FILES = [
     (b'{"train_batch_size": 8,\n "lazyzero": {"plan": }}', r"config\.json:2:23: invalid JSON: Expecting value"),
     (b'[{"train_batch_size": 8}]', r"config\.json: got a JSON list at the top level; allowed: a JSON object"),
-    (b'{"zero_optimization": {"stage": 3, "stage": 2}}', r"config\.json: invalid JSON: key 'stage' appears twice in one object; allowed: each key once"),
+    (b'{"zero_optimization": {"stage": 3, "stage": 2}}',
+     r"config\.json: invalid JSON: key 'stage' appears twice in one object; allowed: each key once"),
     (b'{"train_batch_size": NaN}', r"config\.json: invalid JSON: got NaN; allowed: JSON numbers"),
     (b'{"name": "\xff"}', r"config\.json: not UTF-8 text \(byte 10\); allowed: a JSON file"),
     (b"", r"config\.json:1:1: invalid JSON: Expecting value"),

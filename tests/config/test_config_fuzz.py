@@ -140,7 +140,8 @@ def test_misspelled_section_is_rejected_with_a_suggestion(section):
 
 
 # A rejection is "<key path>: got <value>; allowed..." or "<key path>: unknown key; allowed keys: ...".
-PROBLEM_LINE = re.compile(r"^lazyzero(\.\w+)*(\[[^\]]+\])*: (got .+; (allowed|not available).+|unknown key; allowed keys: .+)$")
+PROBLEM_LINE = re.compile(r"^lazyzero(\.\w+)*(\[[^\]]+\])*: "
+                          r"(got .+; (allowed|not available).+|unknown key; allowed keys: .+)$")
 JSON_VALUES = st.recursive(
     st.none() | st.booleans() | st.integers(-10**12, 10**12) | st.floats(allow_nan=False) | st.text(max_size=12),
     lambda children: st.lists(children, max_size=3) | st.dictionaries(st.text(max_size=8), children, max_size=3),

@@ -16,7 +16,8 @@ from lazyzero.distributed.shm_segments import segment_paths
 from lazyzero.models import build_model
 from lazyzero.testing import destroy_engine, worker_args
 
-CONFIG = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
+CONFIG = {"train_micro_batch_size_per_gpu": 2,
+          "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
           "zero_optimization": {"stage": 3}, "steps_per_print": 10**9}
 
 

@@ -12,7 +12,8 @@ WORKER = Path(__file__).resolve().parent / "nvme_worker.py"
 
 
 @pytest.mark.multiproc
-@pytest.mark.skipif(not Path("/usr/include/libaio.h").exists(), reason="NVMe offload needs libaio-dev (.ci/run installs it)")
+@pytest.mark.skipif(not Path("/usr/include/libaio.h").exists(),
+                    reason="NVMe offload needs libaio-dev (.ci/run installs it)")
 def test_parameters_and_optimizer_state_are_swap_files_during_training(tmp_path):
     (tmp_path / "nvme").mkdir()
     proc = run_distributed("deepspeed", 2, [str(WORKER), str(tmp_path)], timeout=900)

@@ -1,4 +1,5 @@
-"""Int8 gradient exchange in the engine, every ZeRO stage, real 2-rank runs (docs/gradients.md; docs/reliability.md row 9).
+"""Int8 gradient exchange in the engine, every ZeRO stage, real 2-rank runs (docs/gradients.md;
+docs/reliability.md row 9).
 
 One launch runs every setting (tests/gradients/int8_gradients_worker.py): for each, 6 steps with fp32
 gradients, the same with int8, and int8 again with a NaN injected into rank 1's loss at step 2.
@@ -101,7 +102,8 @@ def test_stage_2_without_contiguous_gradients_is_refused_not_sent_in_fp32(ranks)
     for result in ranks:
         # Refused by config validation, before the engine (which also refuses) is built.
         assert ("lazyzero.gradients.enabled: got true; allowed: false while "
-                "zero_optimization.contiguous_gradients is false on stage 1 or 2") in result["refusal_without_contiguous_gradients"]
+                "zero_optimization.contiguous_gradients is false on stage 1 or 2"
+                in result["refusal_without_contiguous_gradients"])
 
 
 @pytest.mark.multiproc

@@ -52,7 +52,8 @@ def test_layout_from_the_config_under_mpirun_with_a_hostfile_at_stage_2(tmp_path
     hostfile.write_text("localhost slots=4\n")
     proc = run_distributed("mpirun", 4, ["-m", "lazyzero.train", *_train_argv(config_path, tmp_path / "run")],
                            cwd=ROOT, timeout=300,
-                           launcher_args=("--hostfile", str(hostfile), "--map-by", "slot", "-x", "MASTER_ADDR=127.0.0.1"))
+                           launcher_args=("--hostfile", str(hostfile), "--map-by", "slot", "-x",
+                                          "MASTER_ADDR=127.0.0.1"))
     assert proc.returncode == 0, proc.stdout[-4000:]
     assert TWO_HOPS in proc.stdout
     _check_trained(tmp_path / "run")

@@ -1,8 +1,8 @@
 """The 8-bit optimizer and fused clipping in real 2-rank DeepSpeed runs (tests/optimizer/optim8bit_worker.py).
 
-docs/reliability.md, what is tested (save/reload exact, NaN-free after reload) and the norm promise of docs/optimizer.md: the
-reported global norm equals an fp64 reference within 1e-5 relative on stages 0-3, with and without
-optimizer offload.
+docs/reliability.md, what is tested (save/reload exact, NaN-free after reload) and the norm promise of
+docs/optimizer.md: the reported global norm equals an fp64 reference within 1e-5 relative on stages 0-3,
+with and without optimizer offload.
 """
 
 import json

@@ -12,7 +12,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.mark.multiproc
 def test_shipped_offload_config_trains_with_8bit_states_and_reports_their_bytes(tmp_path):
-    argv = ["--module", "lazyzero.train", "--deepspeed_config", str(ROOT / "ds_configs" / "cpu_demo_adam8bit_offload.json"),
+    argv = ["--module", "lazyzero.train",
+            "--deepspeed_config", str(ROOT / "ds_configs" / "cpu_demo_adam8bit_offload.json"),
             "--model", "tiny", "--train-examples", "200", "--eval-problems", "0", "--max-steps", "4",
             "--output-dir", str(tmp_path)]
     proc = run_distributed("deepspeed", 2, argv, cwd=ROOT)

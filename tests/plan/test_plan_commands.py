@@ -122,7 +122,8 @@ def test_implied_widths_reach_the_activation_policy_as_planned():
     nothing, recomputed layers are listed; the 8-bit share counts the layers with 8-bit state."""
     problem = problem_from_preset("demo", gpu_mem=GB, cpu_mem=GB, nvme_path=None, seq=256, micro_batch=2, **SPEEDS)
     keep16 = LayerPlan("keep", 16, "gpu", "gpu", "gpu", False)
-    layers = [LayerPlan("keep", 4, "gpu", "gpu", "gpu", True), keep16, LayerPlan("recompute", 16, "gpu", "gpu", "gpu", False),
+    layers = [LayerPlan("keep", 4, "gpu", "gpu", "gpu", True), keep16,
+              LayerPlan("recompute", 16, "gpu", "gpu", "gpu", False),
               keep16, keep16, LayerPlan("keep", 8, "gpu", "gpu", "gpu", True), keep16]
     plan = evaluate_layers(problem, layers, "greedy")
     section = implied_ds_config(problem, plan)["lazyzero"]

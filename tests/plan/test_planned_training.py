@@ -93,7 +93,8 @@ def test_a_given_plan_is_realized_and_measured_then_replanned(tmp_path):
     assert "lazyzero plan 0: step time measured" in printed
     # The new plan may change activations only: parameters and states stay where they were put.
     new_layers = report["plan"]["layers"]
-    assert [(lp["param_tier"], lp["state_tier"]) for lp in new_layers] == [(lp.param_tier, lp.state_tier) for lp in layers]
+    assert ([(lp["param_tier"], lp["state_tier"]) for lp in new_layers]
+            == [(lp.param_tier, lp.state_tier) for lp in layers])
     assert all(r["loss"] == r["loss"] and r["loss"] < 10 for r in records)
 
 

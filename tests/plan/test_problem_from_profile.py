@@ -41,11 +41,13 @@ def speed(s_per_param):
 
 
 def made_up_profile(world_size=2):
-    layers = [layer(f"model.layers.{i}", {f"model.layers.{i}.{k}": n for k, n in LAYER_TENSORS.items()}) for i in range(2)]
+    layers = [layer(f"model.layers.{i}", {f"model.layers.{i}.{k}": n for k, n in LAYER_TENSORS.items()})
+              for i in range(2)]
     layers.append(layer(EMBED_AND_HEAD, HEAD_TENSORS, kind="embed_and_head", act={16: 4 * MB, 8: 2 * MB, 4: 2 * MB}))
     machine = MachineProfile(
         "cpu", "test cpu", 1, 64 * 10**9,
-        {"host_copy": Bandwidth(3e9, 1, 1.0), "nvme_write": Bandwidth(1e9, 1, 1.0), "nvme_read": Bandwidth(2e9, 1, 1.0)},
+        {"host_copy": Bandwidth(3e9, 1, 1.0), "nvme_write": Bandwidth(1e9, 1, 1.0),
+         "nvme_read": Bandwidth(2e9, 1, 1.0)},
         None, {"torch_adamw": speed(12e-9), "deepspeed_cpu_adam": speed(2.4e-9), "lazyzero_adamw8bit": speed(3e-9)},
         {"all_gather": CollectiveSpeed(world_size, "bfloat16", 1, 1.0, 1e-9),
          "reduce_scatter": CollectiveSpeed(world_size, "bfloat16", 1, 1.0, 2e-9)}, {})
@@ -200,4 +202,5 @@ def test_lazy_checkpoints_every_n_steps_share_the_windows_with_their_snapshot_tr
     assert sum(plan.checkpoint_transfers) == pytest.approx(problem.checkpoint_bytes_per_step)
     # Without a path to copy over (no GPU, no NVMe tier) there is no traffic to plan.
     no_nvme = settings.model_copy(update={"nvme_path": None})
-    assert problem_for_config(made_up_profile(), ds_config, no_nvme, 2, 2, process_bytes=0)[0].checkpoint_bytes_per_step == 0
+    assert problem_for_config(made_up_profile(), ds_config, no_nvme, 2, 2,
+                              process_bytes=0)[0].checkpoint_bytes_per_step == 0

@@ -122,7 +122,8 @@ def test_profile_json_round_trip(tiny, tmp_path):
 def test_combine_keeps_the_slowest_rank(tiny):
     profile = tiny[1]
     layer = profile.layers[0]
-    slower = dataclasses.replace(profile, layers=(dataclasses.replace(layer, fwd_s=layer.fwd_s * 2),) + profile.layers[1:])
+    slower = dataclasses.replace(profile,
+                                 layers=(dataclasses.replace(layer, fwd_s=layer.fwd_s * 2),) + profile.layers[1:])
     copy = profile.machine.bandwidths["host_copy"]
     narrower = dataclasses.replace(profile, machine=dataclasses.replace(
         profile.machine, bandwidths={"host_copy": dataclasses.replace(copy, bytes_per_s=copy.bytes_per_s / 2)}))

@@ -349,7 +349,8 @@ def measure_layer(bench: LayerBench, repeats: Repeats, config: ActivationsConfig
     Only decoder layers are measured under recomputation. `offload`: (the layer's index, an NVMe
     folder) to also time it with its stored activations offloaded there (16 bits)."""
     policies = {bits: ActivationPolicy(profiling_config(config, bits)) for bits in BIT_WIDTHS}
-    modes = {"plain": bench.plain, **{bits: functools.partial(bench.packed, policy) for bits, policy in policies.items()}}
+    modes = {"plain": bench.plain,
+             **{bits: functools.partial(bench.packed, policy) for bits, policy in policies.items()}}
     if decoder:
         modes["checkpoint"] = bench.checkpointed
     if decoder and offload is not None:

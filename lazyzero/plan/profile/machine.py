@@ -82,7 +82,8 @@ def aio_unavailable_reason() -> str | None:
     """Why DeepSpeed's async_io op cannot be built here (None when it can)."""
     from deepspeed.ops.op_builder import AsyncIOBuilder
 
-    return None if AsyncIOBuilder().is_compatible(verbose=False) else "DeepSpeed's async_io op cannot be built here (libaio missing?)"
+    return (None if AsyncIOBuilder().is_compatible(verbose=False)
+            else "DeepSpeed's async_io op cannot be built here (libaio missing?)")
 
 
 def check_nvme_folder(path: str) -> Path:
@@ -103,7 +104,8 @@ def _aio_file_bytes(nbytes: int, aio: dict) -> int:
     return max(1, math.ceil(nbytes / unit)) * unit
 
 
-def nvme_bandwidths(path: str, nbytes: int, aio: dict, repeats: int, warmup: int) -> tuple[dict[str, Bandwidth], NvmeSetup]:
+def nvme_bandwidths(path: str, nbytes: int, aio: dict, repeats: int,
+                    warmup: int) -> tuple[dict[str, Bandwidth], NvmeSetup]:
     """Write then read one file of about `nbytes` in the folder `path` through DeepSpeed aio."""
     from deepspeed.ops.op_builder import AsyncIOBuilder
 
@@ -116,8 +118,8 @@ def nvme_bandwidths(path: str, nbytes: int, aio: dict, repeats: int, warmup: int
     file = folder / f"{PROFILE_FILE_PREFIX}{os.getpid()}.swp"
     try:
         written.copy_(torch.arange(size, dtype=torch.int64).remainder_(251).to(torch.uint8))
-        write_s = median_seconds(lambda: _aio_wait(handle, handle.async_pwrite(written, str(file)), file), repeats, warmup,
-                                 torch.device("cpu"))
+        write_s = median_seconds(lambda: _aio_wait(handle, handle.async_pwrite(written, str(file)), file), repeats,
+                                 warmup, torch.device("cpu"))
         read_s = median_seconds(lambda: _aio_wait(handle, handle.async_pread(read, str(file)), file), repeats, warmup,
                                 torch.device("cpu"))
         if not torch.equal(written, read):
@@ -126,7 +128,8 @@ def nvme_bandwidths(path: str, nbytes: int, aio: dict, repeats: int, warmup: int
         file.unlink(missing_ok=True)
         handle.free_cpu_locked_tensor(written)
         handle.free_cpu_locked_tensor(read)
-    bandwidths = {"nvme_write": Bandwidth(size / write_s, size, write_s), "nvme_read": Bandwidth(size / read_s, size, read_s)}
+    bandwidths = {"nvme_write": Bandwidth(size / write_s, size, write_s),
+                  "nvme_read": Bandwidth(size / read_s, size, read_s)}
     return bandwidths, NvmeSetup(str(folder), dict(aio), size)
 
 
@@ -230,7 +233,8 @@ def collective_speeds(numel: int, dtype: torch.dtype, device: torch.device, repe
     results = {}
     for name, work in cases.items():
         seconds = _collective_seconds(work, repeats, warmup, device)
-        results[name] = CollectiveSpeed(world, str(dtype).removeprefix("torch."), full_bytes, seconds, seconds / full_bytes)
+        results[name] = CollectiveSpeed(world, str(dtype).removeprefix("torch."), full_bytes, seconds,
+                                        seconds / full_bytes)
     return results
 
 

@@ -210,9 +210,11 @@ def _layer_rows(model: nn.Module, request: _Request, phases: _Phases):
     repeats = layers_.Repeats(settings.repeats, settings.warmup)
     decoder = layers_.decoder_layers(model)
     if not decoder:
-        raise ValueError(f"{type(model).__name__}: no decoder layers found (named like model.layers.N or transformer.h.N)")
+        raise ValueError(f"{type(model).__name__}: no decoder layers found "
+                         "(named like model.layers.N or transformer.h.N)")
     model_device = next(model.parameters()).device
-    batch = layers_.profiling_batch(request.micro_batch, request.seq_len, model.config.vocab_size, model_device, settings.seed)
+    batch = layers_.profiling_batch(request.micro_batch, request.seq_len, model.config.vocab_size, model_device,
+                                    settings.seed)
     call = layers_.capture_layer_call(model, next(iter(decoder.values())), batch)
     phases.start("layers")
     measured, rows, shared = {}, [], {}
@@ -269,7 +271,8 @@ def _machine(model: nn.Module, request: _Request, phases: _Phases, rows: list[La
     elif (reason := machine_.aio_unavailable_reason()) is not None:
         skipped["nvme"] = reason
     else:
-        nvme_speeds, nvme = machine_.nvme_bandwidths(request.nvme_path, settings.nvme_bytes, request.aio, repeats, warmup)
+        nvme_speeds, nvme = machine_.nvme_bandwidths(request.nvme_path, settings.nvme_bytes, request.aio, repeats,
+                                                     warmup)
         bandwidths.update(nvme_speeds)
     phases.done()
     collectives = {}
@@ -346,7 +349,8 @@ def _parsed_header(path, text: str) -> dict:
     try:
         data = json.loads(text)
     except json.JSONDecodeError as error:
-        raise ProfileFileError(f"{path}: not a lazyzero profile (not JSON: {error}); refusing to overwrite it") from None
+        raise ProfileFileError(f"{path}: not a lazyzero profile (not JSON: {error}); "
+                               "refusing to overwrite it") from None
     if not isinstance(data, dict) or data.get("kind") != PROFILE_KIND:
         raise ProfileFileError(f"{path}: not a lazyzero profile (no \"kind\": \"{PROFILE_KIND}\"); "
                                "refusing to overwrite it")

@@ -55,13 +55,15 @@ def _machine_table(profile: ModelProfile):
     for column in ("measurement", "value", "detail"):
         table.add_column(column)
     for name, band in machine.bandwidths.items():
-        table.add_row(name, f"{band.bytes_per_s / GB:.2f} GB/s", f"{band.test_bytes / MB:.0f} MB in {_ms(band.seconds)} ms")
+        table.add_row(name, f"{band.bytes_per_s / GB:.2f} GB/s",
+                      f"{band.test_bytes / MB:.0f} MB in {_ms(band.seconds)} ms")
     for name, speed in machine.optimizers.items():
         table.add_row(name, f"{1e9 * speed.s_per_param:.2f} ns/param",
                       f"{speed.state_bytes_per_param:.2f} B state/param, {speed.backend}, {speed.device}")
     for name, speed in machine.collectives.items():
         table.add_row(name, f"{1 / speed.s_per_byte / GB:.2f} GB/s",
-                      f"{speed.full_bytes / MB:.2f} MB {speed.dtype}, {speed.world_size} ranks, {_ms(speed.seconds)} ms")
+                      f"{speed.full_bytes / MB:.2f} MB {speed.dtype}, {speed.world_size} ranks, "
+                      f"{_ms(speed.seconds)} ms")
     memory = profile.memory
     table.add_row("process RSS", f"{memory.rss_bytes / GB:.3f} GB",
                   f"model parameters {memory.param_bytes / GB:.3f} GB, buffers {memory.buffer_bytes / MB:.2f} MB")

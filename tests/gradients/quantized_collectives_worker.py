@@ -1,6 +1,6 @@
 """Run every quantized-collective case on this rank and write the facts to OUT/rank{r}.json.
 
-Usage (under a launcher, gloo): comm_quantized_worker.py OUT
+Usage (under a launcher, gloo): quantized_collectives_worker.py OUT
 
 Every rank generates every rank's input from a seed, so each rank knows the exact fp64 sum of all
 inputs without communicating, and judges its own output against it with the bound computed from

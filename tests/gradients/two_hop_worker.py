@@ -1,8 +1,8 @@
 """Two-hop int8 reduce-scatter and all-reduce on 2 "nodes" x 2 ranks; facts to OUT/rank{r}.json.
 
-Usage (under a launcher, gloo, 4 ranks): comm_two_hop_worker.py OUT
+Usage (under a launcher, gloo, 4 ranks): two_hop_worker.py OUT
 
-Inputs, exact sums and fact checks are those of comm_quantized_worker.py; the bound of a two-hop
+Inputs, exact sums and fact checks are those of quantized_collectives_worker.py; the bound of a two-hop
 result is its own (`TwoHopResult.error_bound`, itself a collective).
 """
 
@@ -13,7 +13,7 @@ from pathlib import Path
 import deepspeed
 import torch
 import torch.distributed as dist
-from comm_quantized_worker import (
+from quantized_collectives_worker import (
     BLOCK,
     ODD_SIZES,
     WIRE_NUMEL,

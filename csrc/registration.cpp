@@ -15,6 +15,9 @@ TORCH_LIBRARY_IMPL(lazyzero, CPU, m) {
   m.impl("dequantize_int4", &dequantize_int4_cpu);
   m.impl("dequantize_sum_int8", &dequantize_sum_int8_cpu);
   m.impl("dequantize_sum_int8_into", &dequantize_sum_int8_into_cpu);
+  m.impl("quantize_int8_outliers", &quantize_int8_outliers_cpu);
+  m.impl("quantize_int4_outliers", &quantize_int4_outliers_cpu);
+  m.impl("restore_block_outliers_", &restore_block_outliers_cpu);
 }
 
 TORCH_LIBRARY_IMPL(lazyzero, CPU, m) {

@@ -112,4 +112,34 @@ inline void check_sum_destination(const at::Tensor& out, const at::Tensor& codes
   check_same_device(codes, out, "codes", "out");
 }
 
+// Block outliers (quant_reference: "Block outliers"): an outlier's index in its block is one byte.
+constexpr int64_t kMaxOutlierBlock = 256;
+
+inline void check_outlier_block_size(int64_t block_size) {
+  TORCH_CHECK(block_size <= kMaxOutlierBlock, "block_size must be at most ", kMaxOutlierBlock,
+              " to keep block outliers (their index in the block is one byte), got ", block_size);
+}
+
+// Each block's outlier: values fp32 [nblocks] and their indices in the blocks uint8 [nblocks].
+inline std::tuple<at::Tensor, at::Tensor> allocate_outlier_outputs(const at::Tensor& x,
+                                                                   int64_t block_size) {
+  const int64_t nblocks = num_blocks(x.numel(), block_size);
+  return {at::empty({nblocks}, x.options().dtype(at::kFloat)),
+          at::empty({nblocks}, x.options().dtype(at::kByte))};
+}
+
+inline void check_restore_outliers_args(const at::Tensor& out, const at::Tensor& values,
+                                        const at::Tensor& index, int64_t block_size) {
+  check_block_size(block_size, false);
+  check_outlier_block_size(block_size);
+  check_float_dtype(out.scalar_type(), "out");
+  check_contiguous(out, "out");
+  check_dtype(values, at::kFloat, "values");
+  check_dtype(index, at::kByte, "index");
+  check_numel(values, num_blocks(out.numel(), block_size), "values");
+  check_numel(index, values.numel(), "index");
+  check_same_device(out, values, "out", "values");
+  check_same_device(out, index, "out", "index");
+}
+
 }  // namespace lazyzero::quant

@@ -124,6 +124,52 @@ void quantize_blocks(const at::Tensor& x, int64_t block_size, const Rounding& ro
   });
 }
 
+// The block's largest-magnitude element (first on ties, NaN above Inf above finite: abs_bits order)
+// is copied to `outlier` and replaced by 0 in `block`, which the caller then quantizes.
+void take_block_outlier(float* block, int64_t len, float* outlier_value, uint8_t* outlier_index) {
+  int64_t index = 0;
+  uint32_t max_bits = abs_bits(block[0]);
+  for (int64_t i = 1; i < len; ++i) {
+    const uint32_t bits = abs_bits(block[i]);
+    if (bits > max_bits) {
+      max_bits = bits;
+      index = i;
+    }
+  }
+  *outlier_value = block[index];
+  *outlier_index = static_cast<uint8_t>(index);
+  block[index] = 0.0f;
+}
+
+// quantize_blocks with each block's outlier taken out first (quant_reference: "Block outliers").
+// The block is always copied to `remainder` (it is modified), which stays in L1.
+template <typename T, bool kPackInt4>
+void quantize_blocks_with_outliers(const at::Tensor& x, int64_t block_size,
+                                   const Rounding& rounding, const at::Tensor& out,
+                                   const at::Tensor& scales, const at::Tensor& values,
+                                   const at::Tensor& index) {
+  const T* src = x.const_data_ptr<T>();
+  float* scale_data = scales.mutable_data_ptr<float>();
+  float* value_data = values.mutable_data_ptr<float>();
+  uint8_t* index_data = index.mutable_data_ptr<uint8_t>();
+  void* out_data = out.data_ptr();
+  const int64_t n = x.numel();
+  parallel_for_tasks(scales.numel(), blocks_per_task(block_size), [&](int64_t begin, int64_t end) {
+    std::vector<float> remainder(block_size);
+    std::vector<float> uniforms(rounding.stochastic ? block_size : 0);
+    std::vector<int8_t> unpacked(kPackInt4 ? block_size : 0);
+    for (int64_t b = begin; b < end; ++b) {
+      const int64_t start = b * block_size;
+      const int64_t len = std::min(block_size, n - start);
+      for (int64_t i = 0; i < len; ++i) remainder[i] = static_cast<float>(src[start + i]);
+      take_block_outlier(remainder.data(), len, value_data + b, index_data + b);
+      int8_t* codes = kPackInt4 ? unpacked.data() : static_cast<int8_t*>(out_data) + start;
+      scale_data[b] = quantize_block(remainder.data(), len, start, rounding, uniforms.data(), codes);
+      if constexpr (kPackInt4) pack_int4(codes, len, static_cast<uint8_t*>(out_data) + start / 2);
+    }
+  });
+}
+
 // Fills checked, contiguous `codes` and `scales`.
 void quantize_into(const at::Tensor& x, int64_t block_size, bool stochastic, int64_t seed,
                    bool packs_int4, const at::Tensor& codes, const at::Tensor& scales) {
@@ -194,7 +240,51 @@ void dequantize_sum_blocks(const at::Tensor& codes, const at::Tensor& scales, in
   });
 }
 
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_outliers_cpu(
+    const at::Tensor& x, int64_t block_size, bool stochastic, int64_t seed, bool packs_int4) {
+  check_outlier_block_size(block_size);
+  auto [codes, scales] = allocate_quantize_outputs(x, block_size, packs_int4);
+  auto [values, index] = allocate_outlier_outputs(x, block_size);
+  const at::Tensor input = x.contiguous();
+  const Rounding rounding{packs_int4 ? kInt4Max : kInt8Max, stochastic, stream_key(seed)};
+  LZ_DISPATCH_FLOAT_TYPES(input.scalar_type(), "lazyzero::quantize_outliers", [&] {
+    if (packs_int4) {
+      quantize_blocks_with_outliers<scalar_t, true>(input, block_size, rounding, codes, scales,
+                                                    values, index);
+    } else {
+      quantize_blocks_with_outliers<scalar_t, false>(input, block_size, rounding, codes, scales,
+                                                     values, index);
+    }
+  });
+  return {codes, scales, values, index};
+}
+
 }  // namespace
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_int8_outliers_cpu(
+    const at::Tensor& x, int64_t block_size, bool stochastic, int64_t seed) {
+  return quantize_outliers_cpu(x, block_size, stochastic, seed, /*packs_int4=*/false);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_int4_outliers_cpu(
+    const at::Tensor& x, int64_t block_size, bool stochastic, int64_t seed) {
+  return quantize_outliers_cpu(x, block_size, stochastic, seed, /*packs_int4=*/true);
+}
+
+void restore_block_outliers_cpu(const at::Tensor& out, const at::Tensor& values,
+                                const at::Tensor& index, int64_t block_size) {
+  check_restore_outliers_args(out, values, index, block_size);
+  const at::Tensor value_data = values.contiguous();
+  const at::Tensor index_data = index.contiguous();
+  const float* value_ptr = value_data.const_data_ptr<float>();
+  const uint8_t* index_ptr = index_data.const_data_ptr<uint8_t>();
+  LZ_DISPATCH_FLOAT_TYPES(out.scalar_type(), "lazyzero::restore_block_outliers_", [&] {
+    scalar_t* out_ptr = out.mutable_data_ptr<scalar_t>();
+    for (int64_t b = 0; b < values.numel(); ++b) {
+      out_ptr[b * block_size + index_ptr[b]] = static_cast<scalar_t>(value_ptr[b]);
+    }
+  });
+}
 
 std::tuple<at::Tensor, at::Tensor> quantize_int8_cpu(const at::Tensor& x, int64_t block_size,
                                                      bool stochastic, int64_t seed) {

@@ -32,4 +32,13 @@ at::Tensor dequantize_sum_int8_cpu(const at::Tensor& codes, const at::Tensor& sc
 void dequantize_sum_int8_into_cpu(const at::Tensor& codes, const at::Tensor& scales,
                                   int64_t block_size, double alpha, const at::Tensor& out);
 
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_int8_outliers_cpu(
+    const at::Tensor& x, int64_t block_size, bool stochastic, int64_t seed);
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_int4_outliers_cpu(
+    const at::Tensor& x, int64_t block_size, bool stochastic, int64_t seed);
+
+void restore_block_outliers_cpu(const at::Tensor& out, const at::Tensor& values,
+                                const at::Tensor& index, int64_t block_size);
+
 }  // namespace lazyzero::quant

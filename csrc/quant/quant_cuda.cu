@@ -105,6 +105,78 @@ __global__ void quantize_kernel(const T* x, int64_t n, int64_t block_size, int64
   }
 }
 
+__device__ __forceinline__ uint64_t warp_max64(uint64_t value) {
+  for (int offset = kWarpSize / 2; offset > 0; offset /= 2) {
+    const uint64_t other = __shfl_xor_sync(0xffffffffu, value, offset);
+    value = other > value ? other : value;
+  }
+  return value;
+}
+
+// Index of the block's largest-magnitude element, the first on ties (quant_reference: "Block
+// outliers"): the warp maximizes (abs bits, ~index) as one 64-bit key.
+template <typename T>
+__device__ __forceinline__ int64_t block_outlier_index(const T* x, int64_t len, int lane) {
+  uint64_t best = 0;
+  for (int64_t i = lane; i < len; i += kWarpSize) {
+    const uint64_t key = (static_cast<uint64_t>(abs_bits(static_cast<float>(x[i]))) << 32) |
+                         (0xffffffffu - static_cast<uint32_t>(i));
+    best = key > best ? key : best;
+  }
+  return 0xffffffffu - static_cast<uint32_t>(warp_max64(best) & 0xffffffffu);
+}
+
+// quantize_kernel with each block's outlier taken out: it reads as 0 and is written to
+// values / index (one byte: block_size <= 256).
+template <typename T, bool kPackInt4>
+__global__ void quantize_outliers_kernel(const T* x, int64_t n, int64_t block_size,
+                                         int64_t nblocks, Rounding rounding, void* out,
+                                         float* scales, float* values, uint8_t* index) {
+  const int lane = threadIdx.x % kWarpSize;
+  const int64_t warps = grid_threads() / kWarpSize;
+  for (int64_t b = global_thread_index() / kWarpSize; b < nblocks; b += warps) {
+    const int64_t start = b * block_size;
+    const int64_t len = n - start < block_size ? n - start : block_size;
+    const T* block = x + start;
+    const int64_t outlier = block_outlier_index(block, len, lane);
+    const auto element = [&](int64_t i) {
+      return i == outlier ? 0.0f : static_cast<float>(block[i]);
+    };
+    uint32_t max_bits = 0;
+    for (int64_t i = lane; i < len; i += kWarpSize) max_bits = max(max_bits, abs_bits(element(i)));
+    const float scale = scale_from_absmax_bits(warp_max(max_bits), rounding.qmax);
+    const BlockKind kind = classify_block(scale);
+    if (lane == 0) {
+      scales[b] = scale;
+      values[b] = static_cast<float>(block[outlier]);
+      index[b] = static_cast<uint8_t>(outlier);
+    }
+    if constexpr (kPackInt4) {
+      uint8_t* packed = static_cast<uint8_t*>(out) + start / 2;
+      for (int64_t j = lane; j < (len + 1) / 2; j += kWarpSize) {
+        const int64_t i = 2 * j;
+        const int32_t low = element_code(element(i), scale, kind, rounding, start + i);
+        const int32_t high =
+            i + 1 < len ? element_code(element(i + 1), scale, kind, rounding, start + i + 1) : 0;
+        packed[j] = pack_nibbles(low, high);
+      }
+    } else {
+      int8_t* codes = static_cast<int8_t*>(out) + start;
+      for (int64_t i = lane; i < len; i += kWarpSize) {
+        codes[i] = static_cast<int8_t>(element_code(element(i), scale, kind, rounding, start + i));
+      }
+    }
+  }
+}
+
+template <typename OutT>
+__global__ void restore_outliers_kernel(const float* values, const uint8_t* index,
+                                        int64_t nblocks, int64_t block_size, OutT* out) {
+  for (int64_t b = global_thread_index(); b < nblocks; b += grid_threads()) {
+    out[b * block_size + index[b]] = static_cast<OutT>(values[b]);
+  }
+}
+
 template <typename OutT>
 __global__ void dequantize_int8_kernel(const int8_t* codes, const float* scales, int64_t n,
                                        int64_t block_size, OutT* out) {
@@ -246,6 +318,56 @@ at::Tensor dequantize_sum_int8_cuda(const at::Tensor& codes, const at::Tensor& s
   return out;
 }
 
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_outliers_cuda(
+    const at::Tensor& x, int64_t block_size, bool stochastic, int64_t seed, bool packs_int4) {
+  check_outlier_block_size(block_size);
+  auto [codes, scales] = allocate_quantize_outputs(x, block_size, packs_int4);
+  auto [values, index] = allocate_outlier_outputs(x, block_size);
+  const int64_t nblocks = scales.numel();
+  if (nblocks == 0) return {codes, scales, values, index};
+  const c10::cuda::CUDAGuard guard(x.device());
+  const at::Tensor input = x.contiguous();
+  const Rounding rounding{packs_int4 ? kInt4Max : kInt8Max, stochastic, stream_key(seed)};
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  LZ_DISPATCH_FLOAT_TYPES(input.scalar_type(), "lazyzero::quantize_outliers", [&] {
+    const auto kernel = packs_int4 ? quantize_outliers_kernel<scalar_t, true>
+                                   : quantize_outliers_kernel<scalar_t, false>;
+    kernel<<<ctas_for(nblocks * kWarpSize), kThreadsPerCta, 0, stream>>>(
+        input.const_data_ptr<scalar_t>(), input.numel(), block_size, nblocks, rounding,
+        codes.data_ptr(), scales.mutable_data_ptr<float>(), values.mutable_data_ptr<float>(),
+        index.mutable_data_ptr<uint8_t>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+  return {codes, scales, values, index};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_int8_outliers_cuda(
+    const at::Tensor& x, int64_t block_size, bool stochastic, int64_t seed) {
+  return quantize_outliers_cuda(x, block_size, stochastic, seed, /*packs_int4=*/false);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_int4_outliers_cuda(
+    const at::Tensor& x, int64_t block_size, bool stochastic, int64_t seed) {
+  return quantize_outliers_cuda(x, block_size, stochastic, seed, /*packs_int4=*/true);
+}
+
+void restore_block_outliers_cuda(const at::Tensor& out, const at::Tensor& values,
+                                 const at::Tensor& index, int64_t block_size) {
+  check_restore_outliers_args(out, values, index, block_size);
+  const int64_t nblocks = values.numel();
+  if (nblocks == 0) return;
+  const c10::cuda::CUDAGuard guard(out.device());
+  const at::Tensor value_data = values.contiguous();
+  const at::Tensor index_data = index.contiguous();
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  LZ_DISPATCH_FLOAT_TYPES(out.scalar_type(), "lazyzero::restore_block_outliers_", [&] {
+    restore_outliers_kernel<scalar_t><<<ctas_for(nblocks), kThreadsPerCta, 0, stream>>>(
+        value_data.const_data_ptr<float>(), index_data.const_data_ptr<uint8_t>(), nblocks,
+        block_size, out.mutable_data_ptr<scalar_t>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+}
+
 }  // namespace
 }  // namespace lazyzero::quant
 
@@ -259,4 +381,7 @@ TORCH_LIBRARY_IMPL(lazyzero, CUDA, m) {
   m.impl("dequantize_int4", &dequantize_int4_cuda);
   m.impl("dequantize_sum_int8", &dequantize_sum_int8_cuda);
   m.impl("dequantize_sum_int8_into", &dequantize_sum_int8_into_cuda);
+  m.impl("quantize_int8_outliers", &quantize_int8_outliers_cuda);
+  m.impl("quantize_int4_outliers", &quantize_int4_outliers_cuda);
+  m.impl("restore_block_outliers_", &restore_block_outliers_cuda);
 }

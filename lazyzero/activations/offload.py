@@ -59,7 +59,8 @@ _log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class PackedLayout:
-    """A BlockQuantized as bytes: codes from byte 0, fp32 scales from `scales_offset`."""
+    """A BlockQuantized as bytes: codes from byte 0, fp32 scales from `scales_offset`, then, when it
+    keeps block outliers, their fp32 values and one-byte indices (one of each per block)."""
 
     codes_dtype: torch.dtype
     codes_numel: int
@@ -68,27 +69,43 @@ class PackedLayout:
     block_size: int
     shape: torch.Size
     dtype: torch.dtype
+    keeps_outliers: bool = False
 
     @classmethod
     def of(cls, packed: BlockQuantized) -> PackedLayout:
         return cls(packed.codes.dtype, packed.codes.numel(), packed.scales.numel(), packed.bits,
-                   packed.block_size, packed.shape, packed.dtype)
+                   packed.block_size, packed.shape, packed.dtype, packed.outlier_values is not None)
 
     @property
     def scales_offset(self) -> int:
         return round_up(self.codes_numel * self.codes_dtype.itemsize, 4)  # fp32 views need 4-byte starts
 
     @property
-    def payload_bytes(self) -> int:
+    def values_offset(self) -> int:
         return self.scales_offset + 4 * self.scales_numel
 
+    @property
+    def index_offset(self) -> int:
+        return self.values_offset + 4 * self.scales_numel
+
+    @property
+    def payload_bytes(self) -> int:
+        return self.index_offset + self.scales_numel if self.keeps_outliers else self.values_offset
+
     def parts(self, packed: BlockQuantized) -> list[tuple[int, torch.Tensor]]:
-        return [(0, packed.codes), (self.scales_offset, packed.scales)]
+        parts = [(0, packed.codes), (self.scales_offset, packed.scales)]
+        if self.keeps_outliers:
+            parts += [(self.values_offset, packed.outlier_values), (self.index_offset, packed.outlier_index)]
+        return parts
 
     def restore(self, data: torch.Tensor) -> torch.Tensor:
         codes = data[: self.codes_numel * self.codes_dtype.itemsize].view(self.codes_dtype)
-        scales = data[self.scales_offset: self.payload_bytes].view(torch.float32)
-        packed = BlockQuantized(codes, scales, self.bits, self.block_size, self.shape, self.dtype)
+        scales = data[self.scales_offset: self.values_offset].view(torch.float32)
+        values = index = None
+        if self.keeps_outliers:
+            values = data[self.values_offset: self.index_offset].view(torch.float32)
+            index = data[self.index_offset: self.payload_bytes]
+        packed = BlockQuantized(codes, scales, self.bits, self.block_size, self.shape, self.dtype, values, index)
         return dequantize_blockwise(packed).reshape(-1)
 
 

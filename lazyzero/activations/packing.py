@@ -43,7 +43,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from lazyzero.activations import rewrites
+from lazyzero.activations import loss_head, rewrites
 from lazyzero.activations.accounting import ActivationAccounting
 from lazyzero.activations.offload import ActivationOffloader, OffloadedStorage
 from lazyzero.activations.offload_io import AioSettings
@@ -98,6 +98,8 @@ class ActivationPacker:
                 module.register_forward_hook(functools.partial(self._exit_module, entry), always_call=True)
             )
         self._rewritten = self._install_rewrites(modules) if policy.config.recompute_elementwise else []
+        self._model = model
+        self.fused_loss = policy.config.fused_loss and loss_head.install_fused_loss(model)
 
     def _install_rewrites(self, modules: dict[str, nn.Module]) -> list[nn.Module]:
         """Norms and gated MLPs below 16 bits store fewer tensors (lazyzero/activations/rewrites.py)."""
@@ -139,6 +141,9 @@ class ActivationPacker:
         for module in self._rewritten:
             rewrites.restore_forward(module)
         self._rewritten.clear()
+        if self.fused_loss:
+            loss_head.remove_fused_loss(self._model)
+            self.fused_loss = False
         if self.offloader is not None:
             self.offloader.remove()
 
@@ -263,7 +268,7 @@ class ActivationPacker:
             form = self.offloader.offload_kept(root, layer) if self.offloader is not None else None
             self.accounting.record(layer, kind, before, before, offloaded=before if form is not None else 0)
             return form, True
-        after = packed.codes.untyped_storage().nbytes() + packed.scales.untyped_storage().nbytes()
+        after = packed.nbytes
         offloaded = self.offloader.offload_packed(packed, layer) if self.offloader is not None else None
         self.accounting.record(layer, kind, before, after, offloaded=after if offloaded is not None else 0)
         return (packed if offloaded is None else offloaded), False
@@ -274,9 +279,8 @@ class ActivationPacker:
         flat = root.detach().as_strided((numel,), (1,), 0)
         config = self.policy.config
         self._seed += 1
-        packed = quantize_blockwise(
-            flat, bits=bits, block_size=config.block_size, stochastic=config.stochastic_rounding, seed=self._seed
-        )
+        packed = quantize_blockwise(flat, bits=bits, block_size=config.block_size, stochastic=config.stochastic_rounding,
+                                    seed=self._seed, keep_outliers=config.keep_outliers)
         # A block holding Inf or NaN (SDPA's logsumexp is -inf on fully masked rows) would come back
         # as all NaN: keep such a tensor exact. One check over the scales, a block-th of the tensor.
         return packed if bool(torch.isfinite(packed.scales).all()) else None

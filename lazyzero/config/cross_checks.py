@@ -167,6 +167,11 @@ def _activation_conflicts(config: LazyZeroConfig, ds_config: dict) -> list[Probl
         "checkpointing breaks backward on the CPU accelerator")]
 
 
+# lazyzero.ops.quant_reference.MAX_OUTLIER_BLOCK (an outlier's index in its block is one byte); repeated here
+# because validating a config imports neither torch nor deepspeed (tests/config/test_config.py checks both).
+MAX_OUTLIER_BLOCK = 256
+
+
 def _activation_offload_problems(activations) -> list[Problem]:
     """`offload_layers` against the rest of the section, and its NVMe folder (docs/reliability.md, what is tested)."""
     path = "lazyzero.activations"
@@ -187,6 +192,11 @@ def _activation_offload_problems(activations) -> list[Problem]:
                                         f"{WRITABLE_DIRECTORY} when a layer of {path}.offload_layers is 'nvme'"))
     if activations.offload_nvme_path is not None:
         problems += _directory_problems(f"{path}.offload_nvme_path", activations.offload_nvme_path)
+    if activations.keep_outliers and activations.block_size > MAX_OUTLIER_BLOCK:
+        problems.append(Problem.bad_value(
+            f"{path}.block_size", activations.block_size,
+            f"at most {MAX_OUTLIER_BLOCK} while {path}.keep_outliers is true (an outlier's index in its block is one "
+            "byte); or set keep_outliers to false"))
     return problems
 
 

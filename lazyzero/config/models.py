@@ -125,8 +125,10 @@ class ActivationsConfig(ConfigSection):
     enabled: bool = False
     """Quantize saved activations (through saved-tensor hooks) as set below."""
 
-    default_bits: Literal[4, 8, 16] = 4
-    """Bits per saved activation for modules no `overrides` pattern matches; 16 keeps them unquantized."""
+    default_bits: Literal[4, 8, 16] = 8
+    """Bits per saved activation for modules no `overrides` pattern matches (MLPs and the rest of each layer); 16
+    keeps them unquantized. 4 halves their bytes but, on pretrained LLMs, gives about ten times the gradient error
+    of 8 (docs/activations.md)."""
 
     attention_bits: Literal[8, 16] = 16
     """Bits for tensors saved by attention, whose softmax is too sensitive for 4 bits."""
@@ -142,7 +144,18 @@ class ActivationsConfig(ConfigSection):
     blocks handle worst); a wider layer width applies."""
 
     block_size: PowerOfTwo(32, 4096) = 64
-    """Elements sharing one scale; smaller blocks follow local magnitudes more closely."""
+    """Elements sharing one scale; smaller blocks follow local magnitudes more closely (at most 256 with
+    `keep_outliers`)."""
+
+    keep_outliers: bool = True
+    """Store each block's largest-magnitude element exactly (its fp32 value and a one-byte index: 5 bytes per block)
+    and scale the block by the rest, so that one value thousands of times larger than its neighbours, as pretrained
+    LLMs' residual streams carry, costs the others no precision."""
+
+    fused_loss: bool = True
+    """Compute a causal LM's cross-entropy loss and its gradients together in forward, a chunk of tokens at a time,
+    so that no logits are kept for backward (they are the largest saved tensor of a model with a large vocabulary).
+    Applies to transformers causal LMs called with `labels` while training; their output then has no `logits`."""
 
     stochastic_rounding: bool = False
     """Round to a neighbouring code at random (unbiased) instead of to the nearest one."""

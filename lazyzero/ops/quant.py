@@ -46,6 +46,15 @@ _SCHEMAS = {
     "dequantize_sum_int8_into": (
         "(Tensor codes, Tensor scales, int block_size, float alpha, Tensor(a!) out) -> ()"
     ),
+    "quantize_int8_outliers": (
+        "(Tensor x, int block_size, bool stochastic, int seed)"
+        " -> (Tensor codes, Tensor scales, Tensor values, Tensor index)"
+    ),
+    "quantize_int4_outliers": (
+        "(Tensor x, int block_size, bool stochastic, int seed)"
+        " -> (Tensor packed, Tensor scales, Tensor values, Tensor index)"
+    ),
+    "restore_block_outliers_": "(Tensor(a!) out, Tensor values, Tensor index, int block_size) -> ()",
 }
 
 for _name, _schema in _SCHEMAS.items():
@@ -75,6 +84,26 @@ def _quantize_int4_fake(x, block_size, stochastic, seed):
     return x.new_empty(((n + 1) // 2,), dtype=torch.uint8), x.new_empty(
         (_num_blocks(n, block_size),), dtype=torch.float32
     )
+
+
+def _outliers_fake(x, block_size):
+    nblocks = _num_blocks(x.numel(), block_size)
+    return x.new_empty((nblocks,), dtype=torch.float32), x.new_empty((nblocks,), dtype=torch.uint8)
+
+
+@torch.library.register_fake("lazyzero::quantize_int8_outliers")
+def _quantize_int8_outliers_fake(x, block_size, stochastic, seed):
+    return (*_quantize_int8_fake(x, block_size, stochastic, seed), *_outliers_fake(x, block_size))
+
+
+@torch.library.register_fake("lazyzero::quantize_int4_outliers")
+def _quantize_int4_outliers_fake(x, block_size, stochastic, seed):
+    return (*_quantize_int4_fake(x, block_size, stochastic, seed), *_outliers_fake(x, block_size))
+
+
+@torch.library.register_fake("lazyzero::restore_block_outliers_")
+def _restore_block_outliers_fake(out, values, index, block_size):
+    return None
 
 
 @torch.library.register_fake("lazyzero::dequantize_int8")
@@ -123,10 +152,20 @@ class BlockQuantized:
     """Shape of the original tensor."""
     dtype: torch.dtype
     """dtype of the original tensor, restored by default on dequantization."""
+    outlier_values: torch.Tensor | None = None
+    """With `keep_outliers`: fp32 [nblocks], each block's largest-magnitude element, kept exact."""
+    outlier_index: torch.Tensor | None = None
+    """With `keep_outliers`: uint8 [nblocks], where that element sits in its block."""
 
     @property
     def numel(self) -> int:
         return self.shape.numel()
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the stored form: codes, scales and any kept outliers."""
+        parts = (self.codes, self.scales, self.outlier_values, self.outlier_index)
+        return sum(part.untyped_storage().nbytes() for part in parts if part is not None)
 
 
 def _check_block_size(bits: int, block_size: int) -> None:
@@ -137,6 +176,14 @@ def _check_block_size(bits: int, block_size: int) -> None:
     if bits == 4 and block_size % 2:
         raise ValueError(
             f"block_size must be even for 4-bit codes (two codes share a byte), got {block_size}"
+        )
+
+
+def _check_outlier_block_size(block_size: int) -> None:
+    if block_size > quant_reference.MAX_OUTLIER_BLOCK:
+        raise ValueError(
+            f"block_size must be at most {quant_reference.MAX_OUTLIER_BLOCK} to keep block outliers "
+            f"(their index in the block is one byte), got {block_size}"
         )
 
 
@@ -164,6 +211,7 @@ def quantize_blockwise(
     stochastic: bool = False,
     seed: int = 0,
     out: tuple[torch.Tensor, torch.Tensor] | None = None,
+    keep_outliers: bool = False,
 ) -> BlockQuantized:
     """Quantize `x` (any shape, fp32/bf16/fp16) to symmetric `bits`-bit codes with fp32 scales.
 
@@ -171,12 +219,20 @@ def quantize_blockwise(
     even) unless `stochastic`, in which case rounding is unbiased and reproducible: it depends only
     on `seed` and each element's index, identically on every backend. For bits=8, `out` may give
     preallocated (codes int8 [n], scales fp32 [ceil(n / block_size)]) to write into, e.g. a
-    persistent communication buffer.
+    persistent communication buffer. `keep_outliers`: each block's largest-magnitude element is kept
+    exact and the block is scaled by the rest (block_size <= 256; quant_reference, "Block outliers").
     """
     _check_block_size(bits, block_size)
     _check_float_dtype(x.dtype, "x.dtype")
     if not -(2**63) <= seed < 2**63:
         raise ValueError(f"seed must fit in int64, got {seed}")
+    if keep_outliers:
+        if out is not None:
+            raise ValueError("out= cannot be combined with keep_outliers")
+        _check_outlier_block_size(block_size)
+        op_name = "quantize_int8_outliers" if bits == 8 else "quantize_int4_outliers"
+        codes, scales, values, index = _run(op_name, x.device, x, block_size, stochastic, seed)
+        return BlockQuantized(codes, scales, bits, block_size, x.shape, x.dtype, values, index)
     if out is None:
         op_name = "quantize_int8" if bits == 8 else "quantize_int4"
         codes, scales = _run(op_name, x.device, x, block_size, stochastic, seed)
@@ -201,6 +257,8 @@ def dequantize_blockwise(
     """
     _check_block_size(q.bits, q.block_size)
     if out is not None:
+        if q.outlier_values is not None:
+            raise ValueError("out= is not supported for a tensor quantized with keep_outliers")
         if q.bits != 8:
             raise ValueError("out= is supported for bits=8 only")
         if dtype is not None and dtype != out.dtype:
@@ -216,6 +274,8 @@ def dequantize_blockwise(
         flat = _run(
             "dequantize_int4", q.codes.device, q.codes, q.scales, q.numel, q.block_size, out_dtype
         )
+    if q.outlier_values is not None:
+        _run("restore_block_outliers_", flat.device, flat, q.outlier_values, q.outlier_index, q.block_size)
     return flat.view(q.shape)
 
 

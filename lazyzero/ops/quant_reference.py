@@ -21,6 +21,12 @@ Layout shared by all ops
   scale +Inf. Codes in such a block are `+-qmax` for `+-Inf` elements and 0 elsewhere, so on
   dequantization (`code * scale`) every element of the block is NaN or +-Inf: quantization never
   turns a non-finite input into a finite number, and +-Inf keeps its sign in an Inf-only block.
+* Block outliers (the `*_outliers` ops): in each block the element of largest magnitude (largest
+  `abs_bits`, so NaN above Inf above any finite value; the first such element on ties) is taken out:
+  its value (in fp32) and its index inside the block (uint8, so `block_size <= 256`) are returned,
+  and the block is quantized as above with that element replaced by 0, which gets code 0. Restoring
+  writes the value back over the dequantized element. So one outlier per block costs no precision
+  to the other elements, whose scale comes from the next largest magnitude.
 * int4 packing: element 2j goes to the low nibble of byte j, element 2j+1 to the high nibble, each
   as a 4-bit two's-complement number; an odd element count leaves the last high nibble 0.
   `block_size` must be even so that no byte straddles two blocks.
@@ -209,3 +215,45 @@ def dequantize_sum_int8_into(
 ) -> None:
     """dequantize_sum_int8 written into an existing fp32 tensor `out` of n elements."""
     out.view(-1).copy_(dequantize_sum_int8(codes, scales, block_size, alpha))
+
+
+MAX_OUTLIER_BLOCK = 256  # the index of an outlier inside its block is one byte
+
+
+def _take_block_outliers(
+    x: torch.Tensor, block_size: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(x flat in fp32 with each block's largest-magnitude element zeroed, those values fp32
+    [nblocks], their indices in their blocks uint8 [nblocks]); see the module docstring."""
+    blocks, n = _blocks(x, block_size)
+    abs_bits = blocks.view(torch.int32) & 0x7FFFFFFF  # padding is +0: bits 0, never above a real element
+    index = abs_bits.argmax(dim=1, keepdim=True)  # the first maximal element
+    values = blocks.gather(1, index).squeeze(1)
+    remainder = blocks.scatter(1, index, 0.0).reshape(-1)[:n]
+    return remainder, values, index.squeeze(1).to(torch.uint8)
+
+
+def quantize_int8_outliers(
+    x: torch.Tensor, block_size: int, stochastic: bool, seed: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """quantize_int8 of x with each block's outlier taken out: (codes, scales, values, index)."""
+    remainder, values, index = _take_block_outliers(x, block_size)
+    codes, scales = quantize_int8(remainder, block_size, stochastic, seed)
+    return codes, scales, values, index
+
+
+def quantize_int4_outliers(
+    x: torch.Tensor, block_size: int, stochastic: bool, seed: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """quantize_int4 of x with each block's outlier taken out: (packed, scales, values, index)."""
+    remainder, values, index = _take_block_outliers(x, block_size)
+    packed, scales = quantize_int4(remainder, block_size, stochastic, seed)
+    return packed, scales, values, index
+
+
+def restore_block_outliers_(
+    out: torch.Tensor, values: torch.Tensor, index: torch.Tensor, block_size: int
+) -> None:
+    """Write each block's outlier back: out[b * block_size + index[b]] = values[b] (in out's dtype)."""
+    starts = torch.arange(values.numel(), dtype=torch.int64, device=out.device) * block_size
+    out.view(-1)[starts + index.to(torch.int64)] = values.to(out.dtype)

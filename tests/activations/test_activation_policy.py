@@ -71,13 +71,16 @@ def test_layer_index_from_module_names():
     assert layer_index("model.my_layers.2") is None
 
 
-def test_default_policy_keeps_attention_norms_at_8_bits_and_the_rest_at_4():
+def test_default_policy_keeps_attention_and_stores_the_rest_at_8_bits():
     plan = ActivationPolicy(ActivationsConfig()).plan(build_model("tiny", "llama", meta=True))
     bits = {entry.name: entry.bits for entry in plan}
     assert bits["model.layers.0.self_attn"] == 16
     assert bits["model.layers.0.input_layernorm"] == bits["model.norm"] == 8
-    assert bits["model.layers.0.mlp"] == 4
-    assert bits["model.layers.1"] == 4
+    assert bits["model.layers.0.mlp"] == 8
+    assert bits["model.layers.1"] == 8
+    four = ActivationPolicy(ActivationsConfig(default_bits=4)).plan(build_model("tiny", "llama", meta=True))
+    bits = {entry.name: entry.bits for entry in four}
+    assert bits["model.layers.0.mlp"] == bits["model.layers.1"] == 4 and bits["model.norm"] == 8
     # Building blocks inherit from the module around them, so they are not in the plan.
     assert "model.layers.0.mlp.up_proj" not in bits and "model.embed_tokens" not in bits
     assert [entry.layer for entry in plan if entry.name.startswith("model.layers.1")] == [1] * 5
@@ -97,7 +100,7 @@ def test_rules_apply_in_order_recompute_override_attention_planner_default():
     assert policy.bits_for("model.layers.3.input_layernorm", "norm", 3) == 8  # planner
     assert policy.bits_for("model.layers.4.input_layernorm", "norm", 4) == 4  # default (norm_bits 8 by default)
     assert policy.bits_for("model.norm", "norm", None) == 4
-    norms_at_8 = ActivationPolicy(ActivationsConfig(norm_bits=8)).with_layer_bits({0: 16})
+    norms_at_8 = ActivationPolicy(ActivationsConfig(norm_bits=8, default_bits=4)).with_layer_bits({0: 16})
     assert norms_at_8.bits_for("model.layers.1.input_layernorm", "norm", 1) == 8  # norm_bits over default 4
     assert norms_at_8.bits_for("model.layers.0.input_layernorm", "norm", 0) == 16  # a wider layer width wins
     assert norms_at_8.bits_for("model.layers.1.mlp", "mlp", 1) == 4  # only norms
@@ -118,7 +121,7 @@ def test_attention_stores_its_input_like_the_norm_before_it():
     # An override of a whole layer reaches its norms, and so the attention's input.
     assert input_widths(ActivationsConfig(overrides={"model.layers.1.*": 16})) == {0: 8, 1: None}
     assert input_widths(ActivationsConfig(norm_bits=16)) == {0: None, 1: None}
-    assert input_widths(ActivationsConfig(attention_bits=8, norm_bits=4)) == {0: 4, 1: 4}
+    assert input_widths(ActivationsConfig(attention_bits=8, norm_bits=4, default_bits=4)) == {0: 4, 1: 4}
 
 
 def test_overrides_make_any_module_set_a_width():

@@ -57,7 +57,8 @@ def default_run(default_out):
 def check_layout(ranks: list[dict], layout: str) -> None:
     for rank in ranks:
         off, on = rank[layout]["off"], rank[layout]["on"]
-        assert on["losses"][0] == off["losses"][0]
+        # Forward is not quantized: the first loss differs only by the fused loss head's order of summation.
+        assert math.isclose(on["losses"][0], off["losses"][0], rel_tol=1e-6)
         for later_on, later_off in zip(on["losses"][1:], off["losses"][1:]):
             assert math.isfinite(later_on)
             assert abs(later_on - later_off) <= LATER_LOSS_RELATIVE_DIFFERENCE * later_off

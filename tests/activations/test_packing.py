@@ -20,6 +20,8 @@ BLOCK = 64
 POLICIES = {
     "all-16": ActivationsConfig(default_bits=16, attention_bits=16),
     "default": ActivationsConfig(),
+    "mlp-4": ActivationsConfig(default_bits=4),
+    "no-outliers": ActivationsConfig(keep_outliers=False),
     "default-packing-only": ActivationsConfig(recompute_elementwise=False),
     "all-8": ActivationsConfig(default_bits=8, attention_bits=8),
     "attention-input-exact": ActivationsConfig(attention_input_bits=16),
@@ -45,11 +47,16 @@ class OneLayerModel(torch.nn.Module):
         return self.layers[0](hidden, position_embeddings=self.rotary(hidden, positions))
 
 
-def layer_gradients(model: OneLayerModel, config: ActivationsConfig | None):
-    """Gradients of every parameter (and of the layer's input) and the packer's accounting (None: exact)."""
+def layer_gradients(model: OneLayerModel, config: ActivationsConfig | None, outlier: float = 0.0):
+    """Gradients of every parameter (and of the layer's input) and the packer's accounting (None: exact).
+    `outlier`: channel 7 of the input carries that value in every token, as a pretrained LLM's
+    residual stream carries a few channels thousands of times larger than the rest."""
     model.zero_grad()
     generator = torch.Generator().manual_seed(1)
-    leaf = torch.randn(BATCH, SEQ, HIDDEN, generator=generator, requires_grad=True)
+    leaf = torch.randn(BATCH, SEQ, HIDDEN, generator=generator)
+    if outlier:
+        leaf[..., 7] = outlier
+    leaf.requires_grad_()
     packer = ActivationPacker(model, ActivationPolicy(config)) if config else None
     if packer:
         with packer:
@@ -62,10 +69,11 @@ def layer_gradients(model: OneLayerModel, config: ActivationsConfig | None):
     return {**grads, "input": leaf.grad}, (packer.accounting if packer else None)
 
 
-def packed_bytes(numel: int, bits: int) -> int:
-    """int8: one byte per element; int4: two per byte; plus one fp32 scale per block."""
+def packed_bytes(numel: int, bits: int, keep_outliers: bool) -> int:
+    """int8: one byte per element; int4: two per byte; plus one fp32 scale per block, and with
+    `keep_outliers` each block's largest value (fp32) and its index (one byte)."""
     codes = numel if bits == 8 else math.ceil(numel / 2)
-    return codes + 4 * math.ceil(numel / BLOCK)
+    return codes + (4 + (5 if keep_outliers else 0)) * math.ceil(numel / BLOCK)
 
 
 def expected_bytes(config: ActivationsConfig) -> dict:
@@ -106,7 +114,8 @@ def expected_bytes(config: ActivationsConfig) -> dict:
     for kind, sizes in numels.items():
         before = sum(4 * n for n in sizes)  # fp32
         widths = [input_bits[kind] if i == 0 and kind in input_bits else bits[kind] for i in range(len(sizes))]
-        after = sum(0 if i in recipes.get(kind, ()) else 4 * n if width == 16 else packed_bytes(n, width)
+        after = sum(0 if i in recipes.get(kind, ()) else 4 * n if width == 16
+                    else packed_bytes(n, width, config.keep_outliers)
                     for i, (n, width) in enumerate(zip(sizes, widths)))
         expected[kind] = (before, after, len(sizes))
     return expected
@@ -128,13 +137,33 @@ def test_bytes_saved_per_layer_match_the_analytic_count(policy):
 
 
 @pytest.mark.parametrize("policy, bound", [("all-8", "activations_int8_grad_cosine"),
-                                           ("default", "activations_int4_grad_cosine")])
+                                           ("default", "activations_int8_grad_cosine"),
+                                           ("mlp-4", "activations_int4_grad_cosine")])
 def test_gradients_with_packed_activations_stay_close_to_exact(exact_gradients, policy, bound):
     grads, _ = layer_gradients(OneLayerModel(seed=0), POLICIES[policy])
     found = cosines_by_name(grads, exact_gradients)
     assert min(found.values()) >= TOLERANCES[bound], found
     # The quantization error is real: an unquantized run would give cosines of exactly 1.
     assert min(found.values()) < 1 - 1e-6
+
+
+def model_with_a_massive_channel() -> OneLayerModel:
+    """Norm weights that scale channel 7 down by its magnitude, as a pretrained model's do, so that the
+    other channels still carry the layer's signal."""
+    model = OneLayerModel(seed=0)
+    for norm in (model.layers[0].input_layernorm, model.layers[0].post_attention_layernorm):
+        norm.weight.data[7] = 1 / 3000
+    return model
+
+
+def test_a_massive_channel_costs_the_rest_of_its_block_nothing():
+    """Channel 7 at 3000 (typical values are about 1): an 8-bit block scaled by it rounds every other
+    value of the block to zero, unless the block's largest value is kept exact."""
+    exact, _ = layer_gradients(model_with_a_massive_channel(), None, outlier=3000.0)
+    kept, _ = layer_gradients(model_with_a_massive_channel(), ActivationsConfig(), outlier=3000.0)
+    lost, _ = layer_gradients(model_with_a_massive_channel(), ActivationsConfig(keep_outliers=False), outlier=3000.0)
+    assert min(cosines_by_name(kept, exact).values()) >= TOLERANCES["activations_int8_grad_cosine"]
+    assert min(cosines_by_name(lost, exact).values()) < TOLERANCES["activations_int4_grad_cosine"]
 
 
 def test_all_16_policy_gives_exact_gradients(exact_gradients):

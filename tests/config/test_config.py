@@ -267,6 +267,8 @@ BAD_CONFIGS = [
      "allowed: an object mapping a layer index as a decimal string ('0', '3', ...) to one of 'cpu', 'nvme'"),
     ({"activations": {"offload_prefetch_layers": -1}}, "lazyzero.activations.offload_prefetch_layers",
      "got -1; allowed: an integer >= 0"),
+    ({"activations": {"enabled": True, "block_size": 512}}, "lazyzero.activations.block_size",
+     "got 512; allowed: at most 256 while lazyzero.activations.keep_outliers is true"),
     # activation offload against the rest of its section
     ({"activations": {"offload_layers": {"1": "cpu"}}}, "lazyzero.activations.offload_layers",
      "got {\"1\": \"cpu\"}; allowed: {} while lazyzero.activations.enabled is false"),
@@ -580,3 +582,10 @@ def test_deepspeed_checks_use_the_given_world_size():
     with pytest.raises(LazyZeroConfigError) as caught:
         validate_ds_config(ds_config, world_size=5, run_deepspeed_checks=True)
     problem_line(caught.value, "train_batch_size", "got 12; allowed: a multiple of the world size 5")
+
+
+def test_the_outlier_block_limit_is_the_kernels():
+    from lazyzero.config import cross_checks
+    from lazyzero.ops import quant_reference
+
+    assert cross_checks.MAX_OUTLIER_BLOCK == quant_reference.MAX_OUTLIER_BLOCK

@@ -6,6 +6,7 @@ import torch
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 QUANTIZE_OPS = ("quantize_int8", "quantize_int4")
+OUTLIER_OPS = ("quantize_int8_outliers", "quantize_int4_outliers")
 
 
 def sizes_around(block_size: int) -> list[int]:
@@ -48,3 +49,17 @@ def dequantize_sum_inputs(
         -3, 3, (rows, blocks), generator=generator
     )
     return codes, scales
+
+
+def with_outliers(n: int, block_size: int, dtype: torch.dtype, seed: int = 2) -> torch.Tensor:
+    """Normal values with a few elements thousands of times larger, as in the residual stream of a
+    pretrained LLM: one in most blocks, two of equal magnitude in one block (the first is taken),
+    and a block whose only large element is its last."""
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, generator=generator)
+    where = torch.randint(0, max(n, 1), (max(n // block_size, 1),), generator=generator)
+    x[where[where < n]] = 3000.0
+    if n >= 3 * block_size:
+        x[block_size + 1] = x[block_size + 7] = -5000.0
+        x[3 * block_size - 1] = 4000.0
+    return x.to(dtype)

@@ -4,10 +4,12 @@ import pytest
 import torch
 from quant_samples import (
     DTYPES,
+    OUTLIER_OPS,
     QUANTIZE_OPS,
     dequantize_sum_inputs,
     sizes_around,
     varied_magnitudes,
+    with_outliers,
     with_special_values,
 )
 
@@ -72,6 +74,36 @@ def test_quantize_matches_reference_on_zero_nan_inf_blocks(op_name, dtype, stoch
     codes, scales = assert_quantize_matches_reference(op_name, x, 64, stochastic)
     assert scales[0].isnan() and scales[1] == float("inf") and scales[2] == float("inf")
     assert scales[3] == 0
+
+
+def assert_outliers_match_reference(op_name, x, block_size, stochastic, seed=SEED):
+    actual = getattr(ops, op_name)(x, block_size, stochastic, seed)
+    expected = getattr(quant_reference, op_name)(x, block_size, stochastic, seed)
+    for got, want in zip(actual, expected):
+        assert got.dtype == want.dtype
+        assert_close(got, want, "native_vs_reference")
+    return actual
+
+
+@pytest.mark.parametrize("stochastic", [False, True], ids=["nearest", "stochastic"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("op_name", OUTLIER_OPS)
+@pytest.mark.parametrize("block_size", [2, 64, 256])
+def test_quantize_with_outliers_matches_reference(op_name, dtype, block_size, stochastic):
+    for n in sizes_around(block_size) + [2**18 + 3]:
+        assert_outliers_match_reference(op_name, with_outliers(n, block_size, dtype), block_size, stochastic)
+    assert_outliers_match_reference(op_name, with_special_values(8 * 64, 64, dtype), 64, stochastic)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_restore_block_outliers_matches_reference(dtype):
+    x = with_outliers(4097, 64, torch.float32)
+    codes, scales, values, index = quant_reference.quantize_int8_outliers(x, 64, False, 0)
+    out = quant_reference.dequantize_int8(codes, scales, 64, dtype)
+    expected = out.clone()
+    ops.restore_block_outliers_(out, values, index, 64)
+    quant_reference.restore_block_outliers_(expected, values, index, 64)
+    assert_close(out, expected, "native_vs_reference")
 
 
 def test_quantize_accepts_non_contiguous_input():
@@ -169,6 +201,14 @@ BAD_CALLS = {
         lambda: ops.dequantize_int8_into(INT8_CODES, torch.ones(2), 4, torch.ones(8, 2)[:, 0]),
         "out must be contiguous",
     ),
+    "outlier-block-too-large": (
+        lambda: ops.quantize_int8_outliers(torch.ones(1024), 512, False, 0),
+        "block_size must be at most 256",
+    ),
+    "restore-index-dtype": (
+        lambda: ops.restore_block_outliers_(torch.zeros(128), torch.zeros(2), torch.zeros(2, dtype=torch.int8), 64),
+        "index",
+    ),
     "sum-scales-shape": (
         lambda: ops.dequantize_sum_int8(INT8_CODES.view(2, 4), torch.ones(2, 3), 4, 1.0),
         r"scales must have shape \[2, 1\]",
@@ -198,6 +238,9 @@ def _opcheck_samples():
         ("dequantize_int4", (packed, scales4, 1000, 64, torch.float32)),
         ("dequantize_sum_int8", (sum_codes, sum_scales, 64, 0.5)),
         ("dequantize_sum_int8_into", (sum_codes, sum_scales, 64, 0.5, torch.empty(1000))),
+        ("quantize_int8_outliers", (x, 64, False, 0)),
+        ("quantize_int4_outliers", (x.float(), 64, True, 5)),
+        ("restore_block_outliers_", (torch.zeros(1000, dtype=torch.bfloat16), *ops.quantize_int8_outliers(x, 64, False, 0)[2:], 64)),
     ]
 
 

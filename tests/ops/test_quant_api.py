@@ -178,3 +178,31 @@ def test_dequantize_sum_rejects_mismatched_shapes():
         dequantize_sum_int8(codes.view(-1), torch.ones(4), 64)
     with pytest.raises(ValueError, match="out must be a contiguous torch.float32 tensor of 100"):
         dequantize_sum_int8(codes, torch.ones(2, 2), 64, out=torch.empty(99))
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kept_outliers_are_exact_and_do_not_coarsen_their_block(bits, dtype):
+    """A value thousands of times larger than its block comes back exact, and the rest of the block
+    is quantized as if it were not there (the error the same as for the block without it)."""
+    x = torch.randn(64 * 100, generator=torch.Generator().manual_seed(0)).to(dtype)
+    x_big = x.clone()
+    x_big[::64] = 5000.0
+    q = quantize_blockwise(x_big, bits=bits, block_size=64, keep_outliers=True)
+    restored = dequantize_blockwise(q)
+    assert torch.equal(restored[::64], x_big[::64])
+    rest = torch.ones_like(x, dtype=torch.bool)
+    rest[::64] = False
+    without = x.clone()
+    without[::64] = 0
+    plain = dequantize_blockwise(quantize_blockwise(without, bits=bits, block_size=64))
+    assert torch.equal(restored[rest], plain[rest])
+    coarse = dequantize_blockwise(quantize_blockwise(x_big, bits=bits, block_size=64))
+    assert (coarse[rest].float() - x[rest].float()).norm() > 5 * (restored[rest].float() - x[rest].float()).norm()
+    code_bytes = 64 * 100 * bits // 8
+    assert q.nbytes == code_bytes + 100 * (4 + 4 + 1)  # codes, then per block: scale, value, index
+
+
+def test_kept_outliers_need_a_block_of_at_most_256():
+    with pytest.raises(ValueError, match="at most 256"):
+        quantize_blockwise(torch.ones(2048), bits=8, block_size=512, keep_outliers=True)

@@ -8,10 +8,12 @@ import pytest
 import torch
 from quant_samples import (
     DTYPES,
+    OUTLIER_OPS,
     QUANTIZE_OPS,
     dequantize_sum_inputs,
     sizes_around,
     varied_magnitudes,
+    with_outliers,
     with_special_values,
 )
 
@@ -49,6 +51,28 @@ def test_quantize_matches_reference(op_name, dtype, block_size, stochastic):
         assert_cuda_quantize_matches_reference(op_name, x, block_size, stochastic)
     x = with_special_values(8 * block_size + 5, block_size, dtype)
     assert_cuda_quantize_matches_reference(op_name, x, block_size, stochastic)
+
+
+@pytest.mark.parametrize("stochastic", [False, True], ids=["nearest", "stochastic"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("op_name", OUTLIER_OPS)
+@pytest.mark.parametrize("block_size", [2, 64, 256])
+def test_quantize_with_outliers_matches_reference(op_name, dtype, block_size, stochastic):
+    for n in sizes_around(block_size) + [2**20 + 1]:
+        assert_cuda_quantize_matches_reference(op_name, with_outliers(n, block_size, dtype), block_size, stochastic)
+    x = with_special_values(8 * block_size + 5, block_size, dtype) if block_size >= 8 else with_outliers(99, 2, dtype)
+    assert_cuda_quantize_matches_reference(op_name, x, block_size, stochastic)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_restore_block_outliers_matches_reference(dtype):
+    x = with_outliers(2**20 + 3, 256, torch.float32)
+    codes, scales, values, index = quant_reference.quantize_int8_outliers(x, 256, False, 0)
+    expected = quant_reference.dequantize_int8(codes, scales, 256, dtype)
+    out = expected.cuda()
+    quant_reference.restore_block_outliers_(expected, values, index, 256)
+    ops.restore_block_outliers_(out, values.cuda(), index.cuda(), 256)
+    assert_close(out.cpu(), expected, "native_vs_reference")
 
 
 @pytest.mark.parametrize("stochastic", [False, True], ids=["nearest", "stochastic"])
@@ -114,6 +138,9 @@ def test_opcheck_every_op_on_cuda():
         ("dequantize_int4", (packed, scales4, 1000, 64, torch.float32)),
         ("dequantize_sum_int8", (sum_codes, sum_scales, 64, 0.5)),
         ("dequantize_sum_int8_into", (sum_codes, sum_scales, 64, 0.5, sum_out)),
+        ("quantize_int8_outliers", (x, 64, True, 1)),
+        ("quantize_int4_outliers", (x, 64, False, 0)),
+        ("restore_block_outliers_", (torch.zeros(1000, device="cuda"), *ops.quantize_int8_outliers(x, 64, False, 0)[2:], 64)),
     ]
     assert {name for name, _ in samples} == set(lazyzero.ops.quant._SCHEMAS)
     for op_name, args in samples:

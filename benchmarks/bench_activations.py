@@ -3,7 +3,8 @@
 One training step (forward, backward, AdamW step) of a bf16 model from a preset, at a sequence length
 where saved activations dominate memory, in one process: the baseline (no lazyzero hooks) and the
 default activation policy of `"lazyzero": {"activations": {"enabled": true}}` (attention's q, k, v and
-output kept, its input and the norms at 8 bits, MLPs at 4, cheap elementwise recomputation on). Keys:
+output kept, the rest at 8 bits with each block's largest value exact, cheap elementwise recomputation
+and the fused loss head on). Keys:
 
 - `saved_bytes_ratio`: bytes the quantized step stores for backward over the bytes autograd saves in
   the baseline (counted by the packer with every module at 16 bits: the same tensors, unpacked);
@@ -14,16 +15,25 @@ output kept, its input and the norms at 8 bits, MLPs at 4, cheap elementwise rec
 - `step_time_ratio`: median step time, quantized over baseline, timed interleaved.
 Targets (docs/activations.md): at most 0.30, 0.50 and 1.15. Details: bytes per module kind, the share of the
 baseline that the 16-bit attention keeps under the default policy (a floor for `saved_bytes_ratio`),
-and the same ratios for an `attention_bits: 8` policy and for `attention_input_bits: 16` (the
-attention's input kept exact too).
+and the same ratios for the 4-bit policy of earlier releases (`default_bits: 4`), an `attention_bits: 8`
+policy and `attention_input_bits: 16` (the attention's input kept exact too).
 
-    python benchmarks/bench_activations.py --quick --out benchmarks/results/bench_activations.json
+With `--model NAME` (a real pretrained model, e.g. smollm2-135m), the same default policy on it, on text
+that is not arithmetic (Python source from the standard library), `--real-batch` x `--real-seq` tokens:
+- `real_grad_rel_l2`, `real_min_cosine`: one forward and backward in fp32, gradients against the same
+  step without hooks: the relative L2 error of all gradients together, and the lowest cosine of one
+  parameter's gradient (targets: at most 0.03, at least 0.99);
+- `real_saved_bytes_ratio`, `real_peak_mem_ratio`, `real_step_time_ratio`: as above, in bf16
+  (targets 0.30, -, 1.15).
+
+    python benchmarks/bench_activations.py --quick --model smollm2-135m --out benchmarks/results/bench_activations.json
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import inspect
 import sys
 from pathlib import Path
 
@@ -33,14 +43,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # `common` sits beside
 from common import median_seconds, pin_threads, write_results  # noqa: E402
 
 from lazyzero.activations import ActivationPacker, ActivationPolicy  # noqa: E402
+from lazyzero.app.data import load_tokenizer  # noqa: E402
 from lazyzero.config.models import ActivationsConfig  # noqa: E402
 from lazyzero.models.build import build_model  # noqa: E402
 from lazyzero.plan.profile.measure import heap_live_bytes, peak_bytes  # noqa: E402
 
 POLICIES = {"default": ActivationsConfig(enabled=True),
+            "mlp_4bit": ActivationsConfig(enabled=True, default_bits=4),
             "attention_8bit": ActivationsConfig(enabled=True, attention_bits=8),
             "attention_input_exact": ActivationsConfig(enabled=True, attention_input_bits=16)}
-UNQUANTIZED = ActivationsConfig(enabled=True, default_bits=16, attention_bits=16)
+# The tensors autograd saves without lazyzero, counted by the packer (nothing quantized or fused).
+UNQUANTIZED = ActivationsConfig(enabled=True, default_bits=16, attention_bits=16, fused_loss=False)
 
 
 def parse_args() -> argparse.Namespace:
@@ -51,18 +64,25 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--seq", type=int, default=512, help="sequence length")
     parser.add_argument("--batch", type=int, default=8, help="sequences per step")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads(), help="CPU threads")
+    parser.add_argument("--model", help="also measure this real pretrained model (e.g. smollm2-135m): real_* keys")
+    parser.add_argument("--real-seq", type=int, default=256, help="sequence length for the real model")
+    parser.add_argument("--real-batch", type=int, default=4, help="sequences per step for the real model")
     return parser.parse_args()
 
 
 class Trainee:
-    """A bf16 model, its AdamW and one fixed batch; `step(config)` trains one step under a policy."""
+    """A model, its AdamW and one fixed batch; `step(config)` trains one step under a policy."""
 
-    def __init__(self, preset: str, seq: int, batch: int, device: torch.device):
-        self.model = build_model(preset, dtype=torch.bfloat16, max_positions=seq).to(device).train()
+    def __init__(self, model, input_ids: torch.Tensor):
+        self.model = model.train()
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
-        vocab = self.model.config.vocab_size
+        self.input_ids = input_ids
+
+    @classmethod
+    def from_preset(cls, preset: str, seq: int, batch: int, device: torch.device) -> Trainee:
+        model = build_model(preset, dtype=torch.bfloat16, max_positions=seq).to(device)
         generator = torch.Generator().manual_seed(0)
-        self.input_ids = torch.randint(0, vocab, (batch, seq), generator=generator).to(device)
+        return cls(model, torch.randint(0, model.config.vocab_size, (batch, seq), generator=generator).to(device))
 
     def step(self, config: ActivationsConfig | None):
         """One training step (the packer of `config` hooked in for it); returns the packer's
@@ -80,41 +100,114 @@ class Trainee:
         return packer.accounting if packer is not None else None
 
 
+    def gradients(self, config: ActivationsConfig | None) -> dict[str, torch.Tensor]:
+        """The parameters' gradients of one forward and backward (no optimizer step)."""
+        self.model.zero_grad(set_to_none=True)
+        packer = None if config is None else ActivationPacker(self.model, ActivationPolicy(config))
+        try:
+            with packer if packer is not None else contextlib.nullcontext():
+                loss = self.model(input_ids=self.input_ids, labels=self.input_ids).loss
+            loss.backward()
+        finally:
+            if packer is not None:
+                packer.remove()
+        grads = {name: param.grad.detach().clone() for name, param in self.model.named_parameters()
+                 if param.grad is not None}
+        self.model.zero_grad(set_to_none=True)
+        return grads
+
+
 def bytes_by_kind(accounting) -> dict:
     return {str(kind): {"saved": cell.before, "stored": cell.after} for kind, cell in accounting.by_kind().items()}
+
+
+def gradient_fidelity(exact: dict, approximate: dict) -> dict:
+    """Relative L2 error of all gradients together, and the lowest per-parameter cosine (with its name)."""
+    error = sum(float((approximate[name] - grad).double().pow(2).sum()) for name, grad in exact.items())
+    norm = sum(float(grad.double().pow(2).sum()) for grad in exact.values())
+    cosines = {name: float(torch.nn.functional.cosine_similarity(approximate[name].double().flatten(),
+                                                                 grad.double().flatten(), dim=0))
+               for name, grad in exact.items()}
+    worst = min(cosines, key=cosines.get)
+    return {"grad_rel_l2": (error / norm) ** 0.5, "min_cosine": cosines[worst], "min_cosine_parameter": worst}
+
+
+def real_text_batch(tokenizer, batch: int, seq: int) -> torch.Tensor:
+    """`batch` x `seq` tokens of Python source from the standard library: real text, not arithmetic."""
+    import json
+    import logging
+    import os
+
+    text = "".join(inspect.getsource(module) for module in (json, os, logging, contextlib, argparse))
+    ids = tokenizer.encode(text, add_bos=False)
+    if len(ids) < batch * seq:
+        raise ValueError(f"{len(ids)} tokens of source text, fewer than {batch} x {seq}")
+    return torch.tensor(ids[: batch * seq]).view(batch, seq)
+
+
+def measure_real_model(spec: str, batch: int, seq: int, repeats: int, device: torch.device) -> tuple[dict, dict]:
+    """The real_* keys (see the module docstring) and their details."""
+    tokenizer = load_tokenizer(None, model=spec)
+    floor = heap_live_bytes() if device.type == "cpu" else 0
+    model = build_model(spec, vocab_size=tokenizer.vocab_size).to(device)
+    input_ids = real_text_batch(tokenizer, batch, seq).to(device)
+    trainee = Trainee(model, input_ids)
+    fidelity = gradient_fidelity(trainee.gradients(None), trainee.gradients(POLICIES["default"]))
+    fidelity_4bit = gradient_fidelity(trainee.gradients(None), trainee.gradients(POLICIES["mlp_4bit"]))
+    trainee = Trainee(model.to(torch.bfloat16), input_ids)
+    results = {"real_grad_rel_l2": fidelity["grad_rel_l2"], "real_min_cosine": fidelity["min_cosine"]}
+    details = {"real_model": spec, "real_batch": batch, "real_seq": seq,
+               "real_min_cosine_parameter": fidelity["min_cosine_parameter"],
+               "real_mlp_4bit_fidelity": fidelity_4bit}
+    results.update(_bytes_memory_time(trainee, {"default": POLICIES["default"]}, repeats, device, floor, "real_",
+                                      details))
+    return results, details
+
+
+def _bytes_memory_time(trainee: Trainee, policies: dict, repeats: int, device, floor: int, prefix: str,
+                       details: dict) -> dict:
+    """saved_bytes_ratio, peak_mem_ratio and step_time_ratio of each policy against the baseline; `floor`:
+    what the process held before the model was built (so model, gradients and AdamW state count in both)."""
+    trainee.step(None)  # optimizer state allocated before anything is measured
+    baseline = trainee.step(UNQUANTIZED)
+    baseline_bytes = baseline.total().before
+    peak_baseline = peak_bytes(lambda: trainee.step(None), device, floor)
+    times = median_seconds({name: (lambda config=config: trainee.step(config))
+                            for name, config in {"baseline": None, **policies}.items()}, repeats)
+    details.update({f"{prefix}baseline_saved_bytes": baseline_bytes, f"{prefix}baseline_peak_bytes": peak_baseline,
+                    f"{prefix}baseline_bytes_by_kind": bytes_by_kind(baseline), f"{prefix}median_step_s": times})
+    results = {}
+    for name, config in policies.items():
+        accounting = trainee.step(config)
+        key = prefix if name == "default" else f"{prefix}{name}_"
+        results[f"{key}saved_bytes_ratio"] = accounting.total().after / baseline_bytes
+        results[f"{key}peak_mem_ratio"] = (peak_bytes(lambda config=config: trainee.step(config), device, floor)
+                                           / peak_baseline)
+        results[f"{key}step_time_ratio"] = times[name] / times["baseline"]
+        details[f"{prefix}{name}_bytes_by_kind"] = bytes_by_kind(accounting)
+        print(f"{prefix}{name}: " + ", ".join(f"{k} {v:.3f}" for k, v in results.items() if k.startswith(key)),
+              flush=True)
+    return results
 
 
 def main() -> None:
     args = parse_args()
     pin_threads(args.threads)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    floor = heap_live_bytes() if device.type == "cpu" else 0
-    trainee = Trainee(args.preset, args.seq, args.batch, device)
-    trainee.step(None)  # optimizer state allocated before anything is measured
-    baseline = trainee.step(UNQUANTIZED)
-    baseline_bytes = baseline.total().before
-    attention_floor = baseline.by_kind().get("attention").before / baseline_bytes
-
-    results, details = {}, {"preset": args.preset, "seq": args.seq, "batch": args.batch, "dtype": "bfloat16",
-                            "device": device.type, "baseline_saved_bytes": baseline_bytes,
-                            "baseline_bytes_by_kind": bytes_by_kind(baseline),
-                            "attention_share_of_baseline": attention_floor}
-    peak_baseline = peak_bytes(lambda: trainee.step(None), device, floor)
-    details["baseline_peak_bytes"] = peak_baseline
     repeats = 3 if args.quick else 7
-    times = median_seconds({name: (lambda config=config: trainee.step(config))
-                            for name, config in {"baseline": None, **POLICIES}.items()}, repeats)
-    details["median_step_s"] = times
-    for name, config in POLICIES.items():
-        accounting = trainee.step(config)
-        prefix = "" if name == "default" else f"{name}_"
-        results[f"{prefix}saved_bytes_ratio"] = accounting.total().after / baseline_bytes
-        results[f"{prefix}peak_mem_ratio"] = (peak_bytes(lambda config=config: trainee.step(config), device, floor)
-                                              / peak_baseline)
-        results[f"{prefix}step_time_ratio"] = times[name] / times["baseline"]
-        details[f"{name}_bytes_by_kind"] = bytes_by_kind(accounting)
-        if name == "default":
-            details["attention_stored_share_of_baseline"] = accounting.by_kind()["attention"].after / baseline_bytes
+    floor = heap_live_bytes() if device.type == "cpu" else 0
+    trainee = Trainee.from_preset(args.preset, args.seq, args.batch, device)
+    details = {"preset": args.preset, "seq": args.seq, "batch": args.batch, "dtype": "bfloat16", "device": device.type}
+    results = _bytes_memory_time(trainee, POLICIES, repeats, device, floor, "", details)
+    baseline_bytes = details["baseline_saved_bytes"]
+    details["attention_share_of_baseline"] = details["baseline_bytes_by_kind"]["attention"]["saved"] / baseline_bytes
+    details["attention_stored_share_of_baseline"] = (details["default_bytes_by_kind"]["attention"]["stored"]
+                                                     / baseline_bytes)
+    if args.model:
+        del trainee
+        real_results, real_details = measure_real_model(args.model, args.real_batch, args.real_seq, repeats, device)
+        results.update(real_results)
+        details.update(real_details)
     write_results(args.out, "bench_activations", args.quick, results, details)
 
 

@@ -12,9 +12,9 @@ What backward then holds is the gradient of the hidden states (one hidden vector
 head's weight gradient (one weight-sized tensor, whatever the batch): less than the logits from a few
 hundred tokens on.
 
-`install_fused_loss(model)` rewrites a transformers causal LM so that a training call with `labels`
-(and grad enabled) takes this path; the output then carries the loss and no logits. Any other call
-(evaluation, generation, no labels) runs the model's own forward.
+`install_fused_loss(model)` rewrites a transformers causal LM so that a call with `labels` while
+autograd records takes this path; the output then carries the loss and no logits. Any other call
+(evaluation and generation under no_grad, calls without labels) runs the model's own forward.
 """
 
 from __future__ import annotations
@@ -117,7 +117,7 @@ def install_fused_loss(model: nn.Module) -> bool:
         return fused_cross_entropy(hidden, head.weight, labels, num_items_in_batch)
 
     def forward(*args, labels=None, **kwargs):
-        fused = (labels is not None and model.training and torch.is_grad_enabled()
+        fused = (labels is not None and torch.is_grad_enabled()
                  and kwargs.get("shift_labels") is None and kwargs.get("return_dict", True) is not False)
         if not fused:
             return original(*args, labels=labels, **kwargs)

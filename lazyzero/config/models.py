@@ -155,7 +155,8 @@ class ActivationsConfig(ConfigSection):
     fused_loss: bool = True
     """Compute a causal LM's cross-entropy loss and its gradients together in forward, a chunk of tokens at a time,
     so that no logits are kept for backward (they are the largest saved tensor of a model with a large vocabulary).
-    Applies to transformers causal LMs called with `labels` while training; their output then has no `logits`."""
+    Applies to transformers causal LMs called with `labels` while autograd records; their output then has no
+    `logits`."""
 
     stochastic_rounding: bool = False
     """Round to a neighbouring code at random (unbiased) instead of to the nearest one."""

@@ -1,5 +1,6 @@
 """One ZeRO-3 training step of SmolLM2-135M (tied input and output embeddings) on 2 ranks through
-lazyzero.initialize, checked against the same model run locally, and written to OUT/rank{r}.json.
+lazyzero.initialize, with the fused loss head, checked against the same model run locally (plain
+transformers), and written to OUT/rank{r}.json.
 
 Usage (under a launcher): real_model_worker.py OUT
 Each rank trains on its own 2 x 32 tokens of chat-framed arithmetic problems.
@@ -26,7 +27,9 @@ DS_CONFIG = {
     # Every parameter partitioned, the tied embedding included (none persists whole on a rank).
     "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
     "steps_per_print": 10**9,
-    "lazyzero": {},
+    # Saved activations kept at 16 bits, so the step stays exact, with the fused loss head (on by
+    # default): its gradients of the tied weight go through ZeRO-3's partitioned reduction.
+    "lazyzero": {"activations": {"enabled": True, "default_bits": 16, "attention_bits": 16, "norm_bits": 16}},
 }
 
 
@@ -64,7 +67,8 @@ def main() -> None:
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     torch.distributed.all_reduce(ref_grad)
     ref_grad /= world  # ZeRO averages the ranks' gradients
-    loss = engine(**batch).loss
+    output = engine(**batch)
+    loss = output.loss
     engine.backward(loss)
     embedding = engine.module.get_input_embeddings().weight
     grad = deepspeed.utils.safe_get_full_grad(embedding)
@@ -77,6 +81,7 @@ def main() -> None:
         "tied_after": engine.module.lm_head.weight is engine.module.model.embed_tokens.weight,
         "partitioned_numel": sum(p.ds_numel for p in engine.module.parameters()),
         "loss": loss.item(), "reference_loss": ref_loss, "loss_after": loss_after,
+        "fused_loss_head": output.logits is None,
         "grad_relative_error": ((grad - ref_grad).norm() / ref_grad.norm()).item(),
         "embedding_max_move": moved, "lr": LR,
     }

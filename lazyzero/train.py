@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 from pathlib import Path
 
 from lazyzero.app.data.arithmetic import DIFFICULTIES
@@ -78,6 +79,7 @@ def plan_for_the_run(ds_config: dict, seq_len: int, save_every: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    started = time.perf_counter()
     args = build_parser().parse_args(argv)
     check_args(args)
     try:
@@ -94,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as err:
         print(f"lazyzero: error: {err}", file=sys.stderr)
         return 2
-    trainer = Trainer(args, ds_config, inputs)
+    trainer = Trainer(args, ds_config, inputs, started=started)
     try:
         trainer.run()
     except BaseException:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,12 +15,15 @@ from lazyzero.app.run_report import StepLog, peak_memory_bytes, write_run_report
 
 # Largest model whose parameters evaluation gathers whole on every rank (see _whole_params_if_small).
 EVAL_GATHER_LIMIT_BYTES = 2 * 2**30
+# Decoded eval outputs of rank 0 kept in report.json, before and after training.
+EVAL_SAMPLES = 3
 
 
 class Trainer:
     """One training run on every rank. Rank 0 alone writes logs, reports and the progress bar."""
 
-    def __init__(self, args: argparse.Namespace, ds_config: dict, inputs: "TrainingInputs"):
+    def __init__(self, args: argparse.Namespace, ds_config: dict, inputs: "TrainingInputs",
+                 started: float | None = None):
         from deepspeed import comm as dist
 
         from lazyzero.engine.initialize import initialize
@@ -38,6 +42,10 @@ class Trainer:
         self.output_dir = Path(args.output_dir or f"runs/{Path(args.deepspeed_config).stem}-{Path(args.model).name}")
         self.start_step = self._resume() if args.resume else 0
         self.log = self._open_log() if self.rank == 0 else None
+        # Seconds from `started` (the entry point's start: tokenizer, data, model load) to a ready
+        # engine, then per phase; with eval_samples, what the report says about where time went.
+        self.timings = {"setup_time_s": time.perf_counter() - started} if started is not None else {}
+        self.eval_samples: dict[str, list[dict]] = {}
 
     def _resume(self) -> int:
         _, client_state = self.engine.load_checkpoint(self.args.save_dir)
@@ -54,14 +62,23 @@ class Trainer:
 
     def run(self) -> None:
         started = time.perf_counter()
-        acc_before = self.evaluate() if self.start_step == 0 else None
+        acc_before = self._timed_evaluate("before") if self.start_step == 0 else None
+        t0 = time.perf_counter()
         self._train_steps()
         # Lazy checkpoints still being written are committed (or their failure raised) here,
         # before the run reports success.
         self.engine.wait_for_checkpoints()
-        acc_after = self.evaluate()
+        self.timings["train_time_s"] = time.perf_counter() - t0
+        acc_after = self._timed_evaluate("after")
         if self.rank == 0:
             self._write_report(time.perf_counter() - started, acc_before, acc_after)
+
+    def _timed_evaluate(self, when: str) -> float | None:
+        t0 = time.perf_counter()
+        accuracy, samples = self.evaluate()
+        self.timings[f"eval_time_s_{when}"] = time.perf_counter() - t0
+        self.eval_samples[when] = samples
+        return accuracy
 
     def _train_steps(self) -> None:
         from tqdm import tqdm
@@ -107,12 +124,13 @@ class Trainer:
         self.engine.save_checkpoint(self.args.save_dir, tag=f"step{step}", client_state={"step": step})
         return time.perf_counter() - t0
 
-    def evaluate(self) -> float | None:
-        """Exact-match accuracy on the eval problems; every rank decodes its share in lockstep."""
+    def evaluate(self) -> tuple[float | None, list[dict]]:
+        """Exact-match accuracy on the eval problems, and this rank's first few decoded samples;
+        every rank decodes its share in lockstep."""
         from lazyzero.app.data.evaluate import exact_match_accuracy
 
         if not self.eval_problems:
-            return None
+            return None, []
         shard = self.eval_problems[self.rank::self.world]
         with self._whole_params_if_small():
             result = exact_match_accuracy(self.engine.module, self.tokenizer, shard,
@@ -122,7 +140,8 @@ class Trainer:
             # a prefetch may still be in flight here, which the gather's exit cannot partition.
             self.engine.empty_partition_cache()
         correct, total = self._sum_over_ranks(torch.tensor([result.correct, result.total], dtype=torch.float64))
-        return correct / total
+        samples = [{"output": output, "expected": expected} for _, output, expected in result.samples[:EVAL_SAMPLES]]
+        return correct / total, samples
 
     def _sum_over_ranks(self, values: torch.Tensor) -> list[float]:
         """Element-wise sum over all ranks (on the engine's device: NCCL cannot reduce CPU tensors)."""
@@ -161,7 +180,9 @@ class Trainer:
             "mean_tokens_per_s": sum(r["tokens_per_s"] for r in records) / max(1, len(records)),
             "peak_mem_bytes": max((r["peak_mem_bytes"] for r in records), default=peak_memory_bytes()),
             "memory_kind": "GPU max allocated" if torch.cuda.is_available() else "process peak RSS",
-            "wall_time_s": wall_s,
+            "wall_time_s": wall_s, **self.timings,
+            "step_time_s_median": statistics.median(r["step_time_s"] for r in records) if records else None,
+            "eval_samples": self.eval_samples,
             "lazyzero_features": self.engine.lazyzero_config.enabled_features(),
             **self.engine.lazyzero_report(),
         }

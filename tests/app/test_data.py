@@ -287,6 +287,25 @@ def test_greedy_generate_is_batch_size_invariant_under_left_padding():
     assert model.training
 
 
+@pytest.mark.usefixtures("one_thread")
+def test_greedy_generate_matches_decoding_without_cache():
+    """The cached, last-position-only decoding (`logits_to_keep=1`) picks the same tokens as
+    re-running the whole sequence and reading every position's logits at each step."""
+    model = build_model("tiny", seed=3).eval()
+    tokenizer = ByteTokenizer()
+    prompt = format_prompt(generate_problems(1, seed=0, split="eval")[0])
+    [generated] = greedy_generate(model, tokenizer, [prompt], max_new_tokens=10, batch_size=1)
+    ids = torch.tensor([tokenizer.encode(prompt)])
+    with torch.no_grad():
+        for _ in range(10):
+            next_token = model(input_ids=ids).logits[:, -1].argmax(dim=-1, keepdim=True)
+            ids = torch.cat([ids, next_token], dim=-1)
+    new_tokens = ids[0, len(tokenizer.encode(prompt)):].tolist()
+    if tokenizer.eos_id in new_tokens:
+        new_tokens = new_tokens[: new_tokens.index(tokenizer.eos_id)]
+    assert generated == tokenizer.decode(new_tokens)
+
+
 class CountingModel(torch.nn.Module):
     """Wraps a model and counts forward passes: decoding must not stop early on eos."""
 

@@ -84,9 +84,12 @@ def _generate_batch(model, rows: list[list[int]], pad_id: int, max_new_tokens: i
     cache = None
     generated = []
     for _ in range(max_new_tokens):
+        # logits_to_keep=1: only the last position's logits are needed; at prefill the full
+        # [batch, prompt, vocab] tensor would cost more than the rest of the forward pass for a
+        # model with a large vocabulary (SmolLM2: 49152 x 4 bytes per position).
         out = model(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-            cache=cache, use_cache=True,
+            cache=cache, use_cache=True, logits_to_keep=1,
         )  # fmt: skip
         next_tokens = out.logits[:, -1, :].argmax(dim=-1, keepdim=True)
         generated.append(next_tokens)

@@ -279,8 +279,9 @@ class ActivationPacker:
         flat = root.detach().as_strided((numel,), (1,), 0)
         config = self.policy.config
         self._seed += 1
-        packed = quantize_blockwise(flat, bits=bits, block_size=config.block_size, stochastic=config.stochastic_rounding,
-                                    seed=self._seed, keep_outliers=config.keep_outliers)
+        packed = quantize_blockwise(flat, bits=bits, block_size=config.block_size,
+                                    stochastic=config.stochastic_rounding, seed=self._seed,
+                                    keep_outliers=config.keep_outliers)
         # A block holding Inf or NaN (SDPA's logsumexp is -inf on fully masked rows) would come back
         # as all NaN: keep such a tensor exact. One check over the scales, a block-th of the tensor.
         return packed if bool(torch.isfinite(packed.scales).all()) else None

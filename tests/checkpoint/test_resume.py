@@ -68,7 +68,9 @@ def test_stage3_run_killed_mid_checkpoint_resumes_on_the_same_trajectory(tmp_pat
 @pytest.mark.multiproc
 @pytest.mark.parametrize("stage, offload, save_at", [
     # Stages 1 and 2 share DeepSpeed's save and load code; stage 1 runs with -m slow.
-    pytest.param(1, False, SAVE_AT, marks=pytest.mark.slow), (2, False, SAVE_AT),
+    pytest.param(1, False, SAVE_AT, marks=pytest.mark.slow),
+    # Stage 2's resume also runs in tests/app/test_train_entry.py (the entry point's resume).
+    pytest.param(2, False, SAVE_AT, marks=pytest.mark.slow),
     # CPU Adam's bias correction after a resume differs in the last bit at step 13 unless its beta
     # powers are replayed (lazyzero/checkpoint/nvme_restore.py): resume at 12 checks that.
     (3, True, 12)])

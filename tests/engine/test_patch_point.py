@@ -35,7 +35,8 @@ PACKAGE = Path(__file__).resolve().parents[2] / "lazyzero"
 DOOR = PACKAGE / "patch_point.py"
 DOORS = {"replace_method": REPLACE, "wrap_method": WRAP, "swapped": SWAP, "extend_list": EXTEND}
 # Assignments the checker below cannot tell from DeepSpeed's: (file, attribute) -> whose object it is.
-NOT_DEEPSPEED = {("lazyzero/activations/rewrites.py", "forward"): "the user's model modules' forward"}
+NOT_DEEPSPEED = {("lazyzero/activations/rewrites.py", "forward"): "the user's model modules' forward",
+                 ("lazyzero/activations/loss_head.py", "forward"): "the user's causal LM's and its head's forward"}
 LIST_CHANGES = {"append", "extend", "insert", "remove", "pop", "clear"}
 
 

@@ -23,6 +23,7 @@ def _train(output_dir: Path, save_dir: Path, *extra: str):
     return [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.slow  # int8 gradients in multi-rank training: tests/gradients/test_int8_gradients.py
 @pytest.mark.multiproc
 def test_demo_trains_with_int8_gradients_logs_traffic_and_resumes_exactly(tmp_path):
     full = _train(tmp_path / "full", tmp_path / "ckpt", "--save-every", "2")

@@ -39,6 +39,7 @@ def test_layout_from_a_two_node_deepspeed_launch(tmp_path):
     _check_trained(tmp_path)
 
 
+@pytest.mark.slow  # mpirun with a hostfile runs in the default suite: tests/app/test_train_entry.py
 @pytest.mark.multiproc
 def test_layout_from_the_config_under_mpirun_with_a_hostfile_at_stage_2(tmp_path):
     # One host with 4 slots: mpirun sees one node; ranks_per_node 2 in the config rehearses two.

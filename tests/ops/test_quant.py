@@ -240,7 +240,8 @@ def _opcheck_samples():
         ("dequantize_sum_int8_into", (sum_codes, sum_scales, 64, 0.5, torch.empty(1000))),
         ("quantize_int8_outliers", (x, 64, False, 0)),
         ("quantize_int4_outliers", (x.float(), 64, True, 5)),
-        ("restore_block_outliers_", (torch.zeros(1000, dtype=torch.bfloat16), *ops.quantize_int8_outliers(x, 64, False, 0)[2:], 64)),
+        ("restore_block_outliers_",
+         (torch.zeros(1000, dtype=torch.bfloat16), *ops.quantize_int8_outliers(x, 64, False, 0)[2:], 64)),
     ]
 
 

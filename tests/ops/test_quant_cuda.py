@@ -140,7 +140,8 @@ def test_opcheck_every_op_on_cuda():
         ("dequantize_sum_int8_into", (sum_codes, sum_scales, 64, 0.5, sum_out)),
         ("quantize_int8_outliers", (x, 64, True, 1)),
         ("quantize_int4_outliers", (x, 64, False, 0)),
-        ("restore_block_outliers_", (torch.zeros(1000, device="cuda"), *ops.quantize_int8_outliers(x, 64, False, 0)[2:], 64)),
+        ("restore_block_outliers_",
+         (torch.zeros(1000, device="cuda"), *ops.quantize_int8_outliers(x, 64, False, 0)[2:], 64)),
     ]
     assert {name for name, _ in samples} == set(lazyzero.ops.quant._SCHEMAS)
     for op_name, args in samples:

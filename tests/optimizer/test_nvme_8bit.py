@@ -61,6 +61,7 @@ def check_resume(out: Path, saved: list[dict], checkpoints: str) -> None:
         assert after["packed"] == before["packed"]
 
 
+@pytest.mark.slow  # 8-bit states resume exactly in the default suite: tests/optimizer/test_engine_8bit.py
 def test_resume_from_a_checkpoint_is_exact(deepspeed_save):
     check_resume(*deepspeed_save, "deepspeed")
 
@@ -70,6 +71,7 @@ def test_resume_from_a_lazy_checkpoint_is_exact(tmp_path):
     check_resume(tmp_path, run_worker(tmp_path, "save", "lazy"), "lazy")
 
 
+@pytest.mark.slow  # re-splitting 8-bit states on another rank count: tests/optimizer/test_engine_8bit.py
 def test_reload_on_another_number_of_ranks_reads_and_writes_swap_files(deepspeed_save):
     """The 2-rank checkpoints loaded on 1 rank. NVMe and CPU offload train alike bit for bit (above),
     so the NVMe checkpoint re-split with NVMe offload must continue exactly as the CPU checkpoint

@@ -10,6 +10,7 @@ from lazyzero.testing import run_distributed
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow  # 8-bit states with CPU offload in the default suite: tests/optimizer/test_engine_8bit.py
 @pytest.mark.multiproc
 def test_shipped_offload_config_trains_with_8bit_states_and_reports_their_bytes(tmp_path):
     argv = ["--module", "lazyzero.train",

@@ -152,8 +152,10 @@ def measure_real_model(spec: str, batch: int, seq: int, repeats: int, device: to
     model = build_model(spec, vocab_size=tokenizer.vocab_size).to(device)
     input_ids = real_text_batch(tokenizer, batch, seq).to(device)
     trainee = Trainee(model, input_ids)
-    fidelity = gradient_fidelity(trainee.gradients(None), trainee.gradients(POLICIES["default"]))
-    fidelity_4bit = gradient_fidelity(trainee.gradients(None), trainee.gradients(POLICIES["mlp_4bit"]))
+    exact = trainee.gradients(None)
+    fidelity = gradient_fidelity(exact, trainee.gradients(POLICIES["default"]))
+    fidelity_4bit = gradient_fidelity(exact, trainee.gradients(POLICIES["mlp_4bit"]))
+    del exact
     trainee = Trainee(model.to(torch.bfloat16), input_ids)
     results = {"real_grad_rel_l2": fidelity["grad_rel_l2"], "real_min_cosine": fidelity["min_cosine"]}
     details = {"real_model": spec, "real_batch": batch, "real_seq": seq,

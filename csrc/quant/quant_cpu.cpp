@@ -100,30 +100,6 @@ void pack_int4(const int8_t* codes, int64_t len, uint8_t* packed) {
   if (len % 2 != 0) packed[pairs] = pack_nibbles(codes[len - 1], 0);
 }
 
-// kPackInt4: `out` is uint8 [ceil(n/2)], else int8 [n]. block_size is even when packing, so block b
-// starts at byte b * block_size / 2.
-template <typename T, bool kPackInt4>
-void quantize_blocks(const at::Tensor& x, int64_t block_size, const Rounding& rounding,
-                     const at::Tensor& out, const at::Tensor& scales) {
-  const T* src = x.const_data_ptr<T>();
-  float* scale_data = scales.mutable_data_ptr<float>();
-  void* out_data = out.data_ptr();
-  const int64_t n = x.numel();
-  parallel_for_tasks(scales.numel(), blocks_per_task(block_size), [&](int64_t begin, int64_t end) {
-    std::vector<float> widened(std::is_same_v<T, float> ? 0 : block_size);
-    std::vector<float> uniforms(rounding.stochastic ? block_size : 0);
-    std::vector<int8_t> unpacked(kPackInt4 ? block_size : 0);
-    for (int64_t b = begin; b < end; ++b) {
-      const int64_t start = b * block_size;
-      const int64_t len = std::min(block_size, n - start);
-      const float* block = block_as_float(src + start, len, widened.data());
-      int8_t* codes = kPackInt4 ? unpacked.data() : static_cast<int8_t*>(out_data) + start;
-      scale_data[b] = quantize_block(block, len, start, rounding, uniforms.data(), codes);
-      if constexpr (kPackInt4) pack_int4(codes, len, static_cast<uint8_t*>(out_data) + start / 2);
-    }
-  });
-}
-
 // The block's largest-magnitude element (first on ties, NaN above Inf above finite: abs_bits order)
 // is copied to `outlier` and replaced by 0 in `block`, which the caller then quantizes.
 void take_block_outlier(float* block, int64_t len, float* outlier_value, uint8_t* outlier_index) {
@@ -141,30 +117,41 @@ void take_block_outlier(float* block, int64_t len, float* outlier_value, uint8_t
   block[index] = 0.0f;
 }
 
-// quantize_blocks with each block's outlier taken out first (quant_reference: "Block outliers").
-// The block is always copied to `remainder` (it is modified), which stays in L1.
+// Where each block's outlier goes (quant_reference: "Block outliers"); null: none is taken out.
+struct OutlierOutputs {
+  float* values = nullptr;
+  uint8_t* index = nullptr;
+};
+
+// kPackInt4: `out` is uint8 [ceil(n/2)], else int8 [n]. block_size is even when packing, so block b
+// starts at byte b * block_size / 2. With `outliers`, each block is copied to `widened` (it is
+// modified; it stays in L1) and its outlier taken out before it is quantized.
 template <typename T, bool kPackInt4>
-void quantize_blocks_with_outliers(const at::Tensor& x, int64_t block_size,
-                                   const Rounding& rounding, const at::Tensor& out,
-                                   const at::Tensor& scales, const at::Tensor& values,
-                                   const at::Tensor& index) {
+void quantize_blocks(const at::Tensor& x, int64_t block_size, const Rounding& rounding,
+                     const at::Tensor& out, const at::Tensor& scales,
+                     OutlierOutputs outliers = {}) {
   const T* src = x.const_data_ptr<T>();
   float* scale_data = scales.mutable_data_ptr<float>();
-  float* value_data = values.mutable_data_ptr<float>();
-  uint8_t* index_data = index.mutable_data_ptr<uint8_t>();
   void* out_data = out.data_ptr();
   const int64_t n = x.numel();
+  const bool takes_outliers = outliers.values != nullptr;
   parallel_for_tasks(scales.numel(), blocks_per_task(block_size), [&](int64_t begin, int64_t end) {
-    std::vector<float> remainder(block_size);
+    std::vector<float> widened(std::is_same_v<T, float> && !takes_outliers ? 0 : block_size);
     std::vector<float> uniforms(rounding.stochastic ? block_size : 0);
     std::vector<int8_t> unpacked(kPackInt4 ? block_size : 0);
     for (int64_t b = begin; b < end; ++b) {
       const int64_t start = b * block_size;
       const int64_t len = std::min(block_size, n - start);
-      for (int64_t i = 0; i < len; ++i) remainder[i] = static_cast<float>(src[start + i]);
-      take_block_outlier(remainder.data(), len, value_data + b, index_data + b);
+      const float* block = nullptr;
+      if (takes_outliers) {
+        for (int64_t i = 0; i < len; ++i) widened[i] = static_cast<float>(src[start + i]);
+        take_block_outlier(widened.data(), len, outliers.values + b, outliers.index + b);
+        block = widened.data();
+      } else {
+        block = block_as_float(src + start, len, widened.data());
+      }
       int8_t* codes = kPackInt4 ? unpacked.data() : static_cast<int8_t*>(out_data) + start;
-      scale_data[b] = quantize_block(remainder.data(), len, start, rounding, uniforms.data(), codes);
+      scale_data[b] = quantize_block(block, len, start, rounding, uniforms.data(), codes);
       if constexpr (kPackInt4) pack_int4(codes, len, static_cast<uint8_t*>(out_data) + start / 2);
     }
   });
@@ -247,13 +234,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_outliers_cpu
   auto [values, index] = allocate_outlier_outputs(x, block_size);
   const at::Tensor input = x.contiguous();
   const Rounding rounding{packs_int4 ? kInt4Max : kInt8Max, stochastic, stream_key(seed)};
+  const OutlierOutputs outliers{values.mutable_data_ptr<float>(), index.mutable_data_ptr<uint8_t>()};
   LZ_DISPATCH_FLOAT_TYPES(input.scalar_type(), "lazyzero::quantize_outliers", [&] {
     if (packs_int4) {
-      quantize_blocks_with_outliers<scalar_t, true>(input, block_size, rounding, codes, scales,
-                                                    values, index);
+      quantize_blocks<scalar_t, true>(input, block_size, rounding, codes, scales, outliers);
     } else {
-      quantize_blocks_with_outliers<scalar_t, false>(input, block_size, rounding, codes, scales,
-                                                     values, index);
+      quantize_blocks<scalar_t, false>(input, block_size, rounding, codes, scales, outliers);
     }
   });
   return {codes, scales, values, index};

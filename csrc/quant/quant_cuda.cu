@@ -59,52 +59,6 @@ __device__ __forceinline__ int32_t element_code(float x, float scale, BlockKind 
   return static_cast<int32_t>(code);
 }
 
-template <typename T>
-__device__ __forceinline__ uint32_t block_absmax_bits(const T* x, int64_t len, int lane) {
-  uint32_t max_bits = 0;
-  for (int64_t i = lane; i < len; i += kWarpSize) {
-    max_bits = max(max_bits, abs_bits(static_cast<float>(x[i])));
-  }
-  return warp_max(max_bits);
-}
-
-// out: int8 [n] codes, or uint8 [ceil(n/2)] packed int4 codes when kPackInt4 (block_size is even
-// then, so block b starts at byte b * block_size / 2).
-template <typename T, bool kPackInt4>
-__global__ void quantize_kernel(const T* x, int64_t n, int64_t block_size, int64_t nblocks,
-                                Rounding rounding, void* out, float* scales) {
-  const int lane = threadIdx.x % kWarpSize;
-  const int64_t warps = grid_threads() / kWarpSize;
-  for (int64_t b = global_thread_index() / kWarpSize; b < nblocks; b += warps) {
-    const int64_t start = b * block_size;
-    const int64_t len = n - start < block_size ? n - start : block_size;
-    const T* block = x + start;
-    const float scale = scale_from_absmax_bits(block_absmax_bits(block, len, lane), rounding.qmax);
-    const BlockKind kind = classify_block(scale);
-    if (lane == 0) scales[b] = scale;
-    if constexpr (kPackInt4) {
-      uint8_t* packed = static_cast<uint8_t*>(out) + start / 2;
-      for (int64_t j = lane; j < (len + 1) / 2; j += kWarpSize) {
-        const int64_t i = 2 * j;
-        const float low_x = static_cast<float>(block[i]);
-        const int32_t low = element_code(low_x, scale, kind, rounding, start + i);
-        int32_t high = 0;
-        if (i + 1 < len) {
-          const float high_x = static_cast<float>(block[i + 1]);
-          high = element_code(high_x, scale, kind, rounding, start + i + 1);
-        }
-        packed[j] = pack_nibbles(low, high);
-      }
-    } else {
-      int8_t* codes = static_cast<int8_t*>(out) + start;
-      for (int64_t i = lane; i < len; i += kWarpSize) {
-        codes[i] = static_cast<int8_t>(
-            element_code(static_cast<float>(block[i]), scale, kind, rounding, start + i));
-      }
-    }
-  }
-}
-
 __device__ __forceinline__ uint64_t warp_max64(uint64_t value) {
   for (int offset = kWarpSize / 2; offset > 0; offset /= 2) {
     const uint64_t other = __shfl_xor_sync(0xffffffffu, value, offset);
@@ -126,19 +80,21 @@ __device__ __forceinline__ int64_t block_outlier_index(const T* x, int64_t len, 
   return 0xffffffffu - static_cast<uint32_t>(warp_max64(best) & 0xffffffffu);
 }
 
-// quantize_kernel with each block's outlier taken out: it reads as 0 and is written to
-// values / index (one byte: block_size <= 256).
-template <typename T, bool kPackInt4>
-__global__ void quantize_outliers_kernel(const T* x, int64_t n, int64_t block_size,
-                                         int64_t nblocks, Rounding rounding, void* out,
-                                         float* scales, float* values, uint8_t* index) {
+// out: int8 [n] codes, or uint8 [ceil(n/2)] packed int4 codes when kPackInt4 (block_size is even
+// then, so block b starts at byte b * block_size / 2). With kTakeOutliers, each block's outlier
+// (quant_reference: "Block outliers") reads as 0 and is written to values / index (one byte:
+// block_size <= 256); without, those are null and nothing reads as 0.
+template <typename T, bool kPackInt4, bool kTakeOutliers>
+__global__ void quantize_kernel(const T* x, int64_t n, int64_t block_size, int64_t nblocks,
+                                Rounding rounding, void* out, float* scales, float* values,
+                                uint8_t* index) {
   const int lane = threadIdx.x % kWarpSize;
   const int64_t warps = grid_threads() / kWarpSize;
   for (int64_t b = global_thread_index() / kWarpSize; b < nblocks; b += warps) {
     const int64_t start = b * block_size;
     const int64_t len = n - start < block_size ? n - start : block_size;
     const T* block = x + start;
-    const int64_t outlier = block_outlier_index(block, len, lane);
+    const int64_t outlier = kTakeOutliers ? block_outlier_index(block, len, lane) : -1;
     const auto element = [&](int64_t i) {
       return i == outlier ? 0.0f : static_cast<float>(block[i]);
     };
@@ -148,8 +104,10 @@ __global__ void quantize_outliers_kernel(const T* x, int64_t n, int64_t block_si
     const BlockKind kind = classify_block(scale);
     if (lane == 0) {
       scales[b] = scale;
-      values[b] = static_cast<float>(block[outlier]);
-      index[b] = static_cast<uint8_t>(outlier);
+      if constexpr (kTakeOutliers) {
+        values[b] = static_cast<float>(block[outlier]);
+        index[b] = static_cast<uint8_t>(outlier);
+      }
     }
     if constexpr (kPackInt4) {
       uint8_t* packed = static_cast<uint8_t*>(out) + start / 2;
@@ -220,11 +178,11 @@ void quantize_into(const at::Tensor& x, int64_t block_size, bool stochastic, int
   const int64_t ctas = ctas_for(nblocks * kWarpSize);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   LZ_DISPATCH_FLOAT_TYPES(input.scalar_type(), "lazyzero::quantize", [&] {
-    const auto kernel =
-        packs_int4 ? quantize_kernel<scalar_t, true> : quantize_kernel<scalar_t, false>;
+    const auto kernel = packs_int4 ? quantize_kernel<scalar_t, true, false>
+                                   : quantize_kernel<scalar_t, false, false>;
     kernel<<<ctas, kThreadsPerCta, 0, stream>>>(input.const_data_ptr<scalar_t>(), input.numel(),
                                                 block_size, nblocks, rounding, codes.data_ptr(),
-                                                scales.mutable_data_ptr<float>());
+                                                scales.mutable_data_ptr<float>(), nullptr, nullptr);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
 }
@@ -330,8 +288,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_outliers_cud
   const Rounding rounding{packs_int4 ? kInt4Max : kInt8Max, stochastic, stream_key(seed)};
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   LZ_DISPATCH_FLOAT_TYPES(input.scalar_type(), "lazyzero::quantize_outliers", [&] {
-    const auto kernel = packs_int4 ? quantize_outliers_kernel<scalar_t, true>
-                                   : quantize_outliers_kernel<scalar_t, false>;
+    const auto kernel = packs_int4 ? quantize_kernel<scalar_t, true, true>
+                                   : quantize_kernel<scalar_t, false, true>;
     kernel<<<ctas_for(nblocks * kWarpSize), kThreadsPerCta, 0, stream>>>(
         input.const_data_ptr<scalar_t>(), input.numel(), block_size, nblocks, rounding,
         codes.data_ptr(), scales.mutable_data_ptr<float>(), values.mutable_data_ptr<float>(),

@@ -35,6 +35,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="generated eval problems for exact-match accuracy (0: no eval)")
     p.add_argument("--eval-max-new-tokens", type=int, default=56,
                    help="decoding steps per eval prompt (the default answers need about 45)")
+    p.add_argument("--eval-before", action=argparse.BooleanOptionalAction, default=True,
+                   help="evaluate before training too (--no-eval-before: only after, as when comparing runs "
+                        "that start from the same model)")
     p.add_argument("--seq-len", type=int, default=192)
     p.add_argument("--max-steps", type=int, default=150, help="optimizer steps to run")
     p.add_argument("--seed", type=int, default=1234)

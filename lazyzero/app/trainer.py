@@ -62,7 +62,7 @@ class Trainer:
 
     def run(self) -> None:
         started = time.perf_counter()
-        acc_before = self._timed_evaluate("before") if self.start_step == 0 else None
+        acc_before = self._timed_evaluate("before") if self.start_step == 0 and self.args.eval_before else None
         t0 = time.perf_counter()
         self._train_steps()
         # Lazy checkpoints still being written are committed (or their failure raised) here,

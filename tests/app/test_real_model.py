@@ -6,6 +6,7 @@ import importlib.util
 import json
 import os
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -146,3 +147,48 @@ def test_short_finetune_job_reports_accuracy_before_and_after(tmp_path):
         samples = report["eval_samples"][when]
         assert len(samples) == 2 and all(isinstance(s["output"], str) and s["expected"] > 0 for s in samples)
     assert (tmp_path / "report.png").stat().st_size > 10_000
+
+
+def _resplit_config(tmp_path: Path, name: str, ranks: int) -> Path:
+    """ZeRO-3 with 8-bit AdamW, the default saved-activation policy and lazy checkpoints, 8 sequences
+    per step on any number of ranks (1 rank: two micro-batches of 4, the same 8 as two ranks' 4 each;
+    lazyzero/app/data_order.py)."""
+    config = json.loads((ROOT / "ds_configs" / "cpu_smollm2_zero3.json").read_text())
+    config["gradient_accumulation_steps"] = 2 // ranks
+    config["zero_optimization"] = {"stage": 3, "stage3_param_persistence_threshold": 0}
+    config["lazyzero"] = {"optimizer": {"enabled": True, "type": "adamw8bit"}, "activations": {"enabled": True},
+                          "checkpoint": {"enabled": True, "keep_last": None}}
+    path = tmp_path / f"{name}.json"
+    path.write_text(json.dumps(config))
+    return path
+
+
+def _resplit_train(tmp_path: Path, name: str, ranks: int, save_dir: Path, steps: int, *extra: str) -> list[float]:
+    argv = ["--module", "lazyzero.train", "--deepspeed_config", str(_resplit_config(tmp_path, name, ranks)),
+            "--model", "smollm2-135m", "--seq-len", "48", "--train-examples", "64", "--eval-problems", "0",
+            "--max-steps", str(steps), "--save-dir", str(save_dir), "--output-dir", str(tmp_path / name), *extra]
+    proc = run_distributed("deepspeed", ranks, argv, cwd=ROOT, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    return [json.loads(line)["loss"] for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_zero3_tied_embeddings_save_load_and_resplit_between_rank_counts(tmp_path):
+    """SmolLM2 (one embedding shared with the output) saved lazily by 2 ZeRO-3 ranks with 8-bit states,
+    resumed on 1 rank (re-split) and from there on 2 again. The loss of the first step after a load
+    is computed from the loaded weights before any update, on the same 8 sequences as the
+    uninterrupted run: equal up to the order of floating-point sums. The step after it also depends
+    on the re-split 8-bit moments (requantized at new block edges) and the one-rank gradient sum."""
+    _require_wheel()
+    uninterrupted = _resplit_train(tmp_path, "two_ranks", 2, tmp_path / "ckpt_a", 5, "--save-every", "2")
+    one_rank_dir = tmp_path / "ckpt_b"
+    shutil.copytree(tmp_path / "ckpt_a" / "step2", one_rank_dir / "step2")
+    (one_rank_dir / "latest").write_text("step2")
+    one_rank = _resplit_train(tmp_path, "one_rank", 1, one_rank_dir, 4, "--resume", "--save-every", "4")
+    back_on_two = _resplit_train(tmp_path, "back_on_two", 2, one_rank_dir, 5, "--resume")
+
+    assert len(uninterrupted) == 5 and len(one_rank) == 2 and len(back_on_two) == 1
+    assert one_rank[0] == pytest.approx(uninterrupted[2], rel=TOLERANCES["zero3_vs_whole_model_loss"] * 10)
+    assert one_rank[1] == pytest.approx(uninterrupted[3], rel=TOLERANCES["reshard_requantization"])
+    assert back_on_two[0] == pytest.approx(uninterrupted[4], rel=TOLERANCES["reshard_requantization"])

@@ -23,6 +23,8 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 BENCHMARKS_README = ROOT / "benchmarks" / "README.md"
 
+# bench_finetune's runs against plain DeepSpeed: each capability alone, then everything planned.
+FINETUNE_RUNS = ("int8_gradients", "adamw8bit", "activations", "lazy_checkpoint", "planned")
 # benchmark -> key -> (comparison, bound), from the issue that asked for the benchmark.
 TARGETS = {
     "bench_quant": {"quant_vs_memcpy": (">=", 0.5), "quant_vs_ref": (">=", 4.0)},
@@ -42,6 +44,8 @@ TARGETS = {
                       "pred_error_step_time": ("<=", 0.15), "pred_error_peak_mem": ("<=", 0.15),
                       "speedup_vs_fixed_rule": (">=", 1.24), "speedup_vs_deepspeed_default": (">=", 1.24),
                       "peak_over_budget_planned": ("<=", 1.1)},
+    "bench_finetune": {**{f"loss_ratio_{name}": ("<=", 1.02) for name in FINETUNE_RUNS},
+                       **{f"exact_match_delta_{name}": (">=", -2.0) for name in FINETUNE_RUNS}},
 }
 _COMPARE = {">=": operator.ge, "<=": operator.le}
 HEADER = ["| result file | metric | target | measured | met | machine | date |",

@@ -1,5 +1,5 @@
 """`lazyzero` command line: `train`, `plan`, `profile`, `config check|reference`, `ops build|status`,
-`ckpt ls|verify|export`.
+`ckpt ls|verify|export`, `env`.
 
 Later capabilities (profile) add their own sub-commands here.
 """
@@ -142,7 +142,24 @@ def build_parser() -> argparse.ArgumentParser:
     ckpt = sub.add_parser("ckpt", help="list, verify or export lazyzero checkpoints").add_subparsers(
         dest="action", required=True)
     add_ckpt_commands(ckpt)
+    env = sub.add_parser("env", help="versions, native ops, DeepSpeed internals, NVMe, MPI and accelerators "
+                                     "(for bug reports)")
+    env.add_argument("--json", action="store_true", help="print the report as JSON")
+    env.set_defaults(func=_env)
     return parser
+
+
+def _env(args: argparse.Namespace) -> int:
+    import contextlib
+    import json
+
+    # DeepSpeed logs to the stdout it finds at import (its accelerator notice): keep that off the report.
+    with contextlib.redirect_stdout(sys.stderr):
+        from lazyzero.app.environment import environment_report, format_report
+
+        report = environment_report()
+    print(json.dumps(report, indent=2) if args.json else format_report(report))
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:

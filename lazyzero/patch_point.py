@@ -203,6 +203,47 @@ def extend_list(module, name: str, item, *, owner: str) -> None:
 
 # ------------------------------------------------------------------------------- the checks
 
+def resolve_target(target: str):
+    """The object a declared target ("module:Class.attribute") names in the installed packages."""
+    import importlib
+
+    module, _, qualified = target.partition(":")
+    value = importlib.import_module(module)
+    for part in qualified.split("."):
+        value = getattr(value, part)
+    return value
+
+
+def original_parameters(value) -> tuple[str, ...]:
+    """Parameter names of a DeepSpeed callable without self, looking through `instrument_w_nvtx`, which
+    wraps without functools.wraps (its closure holds the original)."""
+    while getattr(value, "__code__", None) is not None and value.__code__.co_freevars == ("func",):
+        value = value.__closure__[0].cell_contents
+    names = tuple(inspect.signature(value).parameters)
+    return names[1:] if names[:1] == ("self",) else names
+
+
+def deepspeed_internals_problems() -> list[str]:
+    """One line per declared patch point the installed DeepSpeed lacks or declares with other
+    parameters (empty when every internal lazyzero touches is as expected)."""
+    problems = []
+    for point in PATCH_POINTS:
+        try:
+            value = resolve_target(point.target)
+        except (ImportError, AttributeError) as error:
+            problems.append(f"{point.target}: missing in DeepSpeed {deepspeed.__version__} ({error})")
+            continue
+        if point.kind == EXTEND:
+            if not isinstance(value, list):
+                problems.append(f"{point.target}: not a list in DeepSpeed {deepspeed.__version__}")
+        elif not callable(value):
+            problems.append(f"{point.target}: not callable in DeepSpeed {deepspeed.__version__}")
+        elif original_parameters(value) != point.parameters:
+            problems.append(f"{point.target}: takes {original_parameters(value)} in DeepSpeed "
+                            f"{deepspeed.__version__}; lazyzero expects {point.parameters}")
+    return problems
+
+
 def _target_of(holder, name: str) -> str:
     if inspect.ismodule(holder):
         return f"{holder.__name__}:{name}"

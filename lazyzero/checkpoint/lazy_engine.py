@@ -40,6 +40,7 @@ from lazyzero.checkpoint.durable_io import remove_tree
 from lazyzero.checkpoint.faults import failpoint
 from lazyzero.checkpoint.folder_layout import check_tag, leftover_dirs, temp_dir
 from lazyzero.checkpoint.manifest import Manifest
+from lazyzero.checkpoint.safe_load import load_checkpoint_file
 from lazyzero.checkpoint.snapshot import (
     BufferBudget,
     FileSnapshot,
@@ -217,7 +218,7 @@ class LazyCheckpointEngine(CheckpointEngine):
         return True
 
     def load(self, path: str, map_location=None):
-        return torch.load(path, map_location=map_location, weights_only=False)
+        return load_checkpoint_file(path, map_location, self.config.allow_pickle)
 
     def is_decoupled(self):
         # DeepSpeed's decoupled path writes 'latest' itself, in place; the commit here does it by rename.

@@ -78,6 +78,13 @@ class PlanConfig(ConfigSection):
     allowed_bits: list[Literal[4, 8, 16]] = Field(default_factory=lambda: [16, 8, 4], min_length=1)
     """Widths the planner may store saved activations at (16 keeps them as saved)."""
 
+    max_grad_error: float = Field(0.02, gt=0)
+    """Most gradient error a layer's activation width may cost: the profile measures, for each layer of the run's own
+    model, the relative L2 error of its parameter and input gradients with its activations stored at 8 and at 4 bits,
+    and the planner does not give a layer a width whose error exceeds this (16 bits and recompute are exact and always
+    allowed). 0.02 keeps 8 bits (at most 0.007 per layer on SmolLM2-135M and the demo preset) and excludes 4 bits (at
+    least 0.036 there; the whole model's error at 4 bits, 0.07-0.13, misses the 0.03 target): docs/plan.md."""
+
     allow_recompute: bool = True
     """Let the planner recompute whole layers in backward instead of storing their activations."""
 
@@ -271,6 +278,10 @@ class CheckpointConfig(ConfigSection):
 
     verify_on_load: bool = True
     """Check every file's size and hash against the manifest before loading (docs/reliability.md, guarantee 2)."""
+
+    allow_pickle: bool = False
+    """Load checkpoint files that hold types other than tensors, containers, numbers and DeepSpeed's few
+    (lazyzero/checkpoint/safe_load.py). Loading such a file runs code it names: only for folders you trust."""
 
 
 # The capabilities, each switched by its section's `enabled`, in the order they are reported.

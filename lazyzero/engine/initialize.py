@@ -51,6 +51,7 @@ def initialize(
     from lazyzero.engine.engine import LazyZeroEngine
     from lazyzero.engine.features import FeatureSet
 
+    _check_deepspeed_internals(lazyzero_config)
     if isinstance(model, PipelineModule):
         raise ValueError("lazyzero does not support PipelineModule models; "
                          "use deepspeed.initialize for pipeline parallelism")
@@ -119,3 +120,18 @@ def _mesh_device(dist, ds_config: dict, mesh_param: Any):
         shape = (ds_config["data_parallel_size"], ds_config["sequence_parallel_size"])
         return dist.initialize_mesh_device(shape, ("data_parallel", "sequence_parallel"))
     return None
+
+
+def _check_deepspeed_internals(lazyzero_config) -> None:
+    """With any capability on, every DeepSpeed internal lazyzero may change must be as declared
+    (lazyzero/patch_point.py): a DeepSpeed that moved one fails here, naming it and the version,
+    instead of deep inside a training step. With every capability off nothing is changed."""
+    if not lazyzero_config.enabled_features():
+        return
+    from lazyzero.patch_point import deepspeed_internals_problems
+
+    problems = deepspeed_internals_problems()
+    if problems:
+        raise RuntimeError("lazyzero cannot run on this DeepSpeed: " + "; ".join(problems)
+                           + ". Install a DeepSpeed version lazyzero supports (pyproject.toml), or switch the "
+                           "lazyzero capabilities off")

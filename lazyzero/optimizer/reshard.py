@@ -21,6 +21,7 @@ import deepspeed.comm as dist
 import torch
 from deepspeed.checkpoint.constants import BASE_OPTIMIZER_STATE, OPTIMIZER_STATE_DICT
 
+from lazyzero.checkpoint.safe_load import load_checkpoint_file, pickle_allowed
 from lazyzero.optimizer import zero3_reshard
 from lazyzero.optimizer.adam8bit_optimizer import decode_moments, encode_moments
 
@@ -52,7 +53,8 @@ def restore_resharded_states(engine, load_dir: str, tag: str) -> None:
     if engine.zero_optimization_stage() == 3:
         zero3_reshard.restore(engine, saved_optimizer_files(load_dir, tag), load_dir, tag)
         return
-    saved = [torch.load(path, map_location="cpu", weights_only=False)[OPTIMIZER_STATE_DICT][BASE_OPTIMIZER_STATE]
+    allow_pickle = pickle_allowed(engine.lazyzero_config)
+    saved = [load_checkpoint_file(path, "cpu", allow_pickle)[OPTIMIZER_STATE_DICT][BASE_OPTIMIZER_STATE]
              for path in saved_optimizer_files(load_dir, tag)]
     optimizer = engine.basic_optimizer
     rank = dist.get_rank(group=engine.optimizer.dp_process_group)

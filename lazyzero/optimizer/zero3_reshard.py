@@ -31,6 +31,7 @@ import numpy as np
 import torch
 from deepspeed.checkpoint.constants import FP32_FLAT_GROUPS, LOSS_SCALER, OPTIMIZER_STATE_DICT
 
+from lazyzero.checkpoint.safe_load import load_checkpoint_file, pickle_allowed
 from lazyzero.optimizer.adam8bit_optimizer import CODE_KEYS, EIGHT_BIT_KEYS, FP32_KEYS, decode_moments, encode_moments
 from lazyzero.optimizer.nvme_swap import PACKED_FILE_SUFFIX, PackedLayout
 
@@ -57,8 +58,9 @@ def model_states_file(load_dir: str, tag: str) -> str:
 class SavedRanks:
     """The saved ranks' ZeRO-3 optimizer state, read range by range."""
 
-    def __init__(self, files: list[str], param_shapes: list[dict], creation_order: dict[str, int]):
-        self.documents = [torch.load(path, map_location="cpu", mmap=True, weights_only=False)[OPTIMIZER_STATE_DICT]
+    def __init__(self, files: list[str], param_shapes: list[dict], creation_order: dict[str, int],
+                 allow_pickle: bool = False):
+        self.documents = [load_checkpoint_file(path, "cpu", allow_pickle, mmap=True)[OPTIMIZER_STATE_DICT]
                           for path in files]
         self.world = len(files)
         base = self.documents[0][OPTIMIZER_STATE_DICT]
@@ -208,11 +210,12 @@ def restore(engine, files: list[str], load_dir: str, tag: str) -> None:
     """Fill this rank's fp32 master flats, moments and step counts from `files` (the saved ranks'
     optimizer files, in rank order), then DeepSpeed's bit16 partitions from the master weights."""
     zero = engine.optimizer
-    model_states = torch.load(model_states_file(load_dir, tag), map_location="cpu", mmap=True, weights_only=False)
+    allow_pickle = pickle_allowed(engine.lazyzero_config)
+    model_states = load_checkpoint_file(model_states_file(load_dir, tag), "cpu", allow_pickle, mmap=True)
     params = [param for group in zero.fp16_groups for param in group]
     first_id = min(param.ds_id for param in params)
     saved = SavedRanks(files, model_states["param_shapes"],
-                       {engine.param_names[param]: param.ds_id - first_id for param in params})
+                       {engine.param_names[param]: param.ds_id - first_id for param in params}, allow_pickle)
     rank = dist.get_rank(group=zero.dp_process_group)
     first = saved.documents[0]
     zero.loss_scaler, zero.dynamic_loss_scale, zero.overflow = (

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from lazyzero.plan.problem import RECOMPUTE, LayerPlan, Placement, Plan, PlanProblem
+from lazyzero.plan.problem import RECOMPUTE, LayerPlan, Placement, Plan, PlanProblem, widest_activation
 from lazyzero.plan.simulate import evaluate_layers
 
 
@@ -14,13 +14,12 @@ def _host_tier(problem: PlanProblem) -> str:
 
 
 def fixed_rule_plan(problem: PlanProblem, k: int) -> Plan:
-    """LazyTrain's fixed rule: layers at a multiple of k keep their activations (16 bits, in host
-    memory), the others recompute; parameters and fp32 optimizer state in host memory. The last
-    layer keeps its activations on the device (nothing would overlap reading them back)."""
+    """LazyTrain's fixed rule: layers at a multiple of k keep their activations (at the widest width
+    they may use, in host memory), the others recompute; parameters and fp32 optimizer state in host
+    memory. The last layer keeps its activations on the device (nothing would overlap reading them back)."""
     if k < 1:
         raise ValueError(f"k: must be >= 1, got {k!r}")
     host = _host_tier(problem)
-    bits = max(problem.allowed_bits)
     placement = Placement(host, host, False)
     layers = []
     for i in range(problem.num_layers):
@@ -28,17 +27,18 @@ def fixed_rule_plan(problem: PlanProblem, k: int) -> Plan:
             layers.append(LayerPlan.of(RECOMPUTE, placement))
         else:
             tier = host if problem.activation_read_windows(i) else "gpu"
-            layers.append(LayerPlan("keep", bits, tier, *placement))
+            layers.append(LayerPlan.of(widest_activation(problem, i, tier), placement))
     return evaluate_layers(problem, layers, "fixed_rule")
 
 
 def deepspeed_default_plan(problem: PlanProblem) -> Plan:
     """ZeRO-Infinity's defaults: parameters and fp32 optimizer state offloaded to host memory (NVMe
-    when they do not fit there, or when there is no host tier), no recompute, 16-bit activations kept
-    on the device."""
+    when they do not fit there, or when there is no host tier), no recompute, activations kept on the
+    device at the widest width each layer may use."""
     total = sum(c.param_bytes + c.optim_state_bytes_fp32 + c.grad_bytes for c in problem.layers)
     tiers = problem.machine.tiers
     fits_host = problem.machine.has_host and total <= tiers["cpu"].capacity_bytes
     home = "nvme" if "nvme" in tiers and not fits_host else _host_tier(problem)
-    layer = LayerPlan("keep", max(problem.allowed_bits), "gpu", home, home, False)
-    return evaluate_layers(problem, [layer] * problem.num_layers, "deepspeed_default")
+    layers = [LayerPlan.of(widest_activation(problem, i), Placement(home, home, False))
+              for i in range(problem.num_layers)]
+    return evaluate_layers(problem, layers, "deepspeed_default")

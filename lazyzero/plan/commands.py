@@ -25,6 +25,7 @@ def _memory_size(text: str) -> int:
 
 
 def add_plan_command(sub) -> None:
+    from lazyzero.config.models import PlanConfig
     from lazyzero.models.presets import PRESETS
 
     plan = sub.add_parser("plan", help="plan memory placement and precision (from a preset or a measured profile)")
@@ -47,6 +48,9 @@ def add_plan_command(sub) -> None:
     plan.add_argument("--d2h-gbps", type=float, default=25, help="device-to-host GB/s (presets)")
     plan.add_argument("--nvme-read-gbps", type=float, default=3, help="NVMe read GB/s (presets)")
     plan.add_argument("--nvme-write-gbps", type=float, default=2, help="NVMe write GB/s (presets)")
+    plan.add_argument("--max-grad-error", type=float, default=PlanConfig().max_grad_error,
+                      help="with --profile: widths whose measured gradient error on a layer exceeds this are not "
+                           "given to it (lazyzero.plan.max_grad_error; default %(default)s)")
     plan.add_argument("--time-limit", type=float, default=10, help="MILP solver time limit in seconds")
     plan.add_argument("--max-gap", type=float, default=0.01, help="relative optimality gap at which the solver stops")
     plan.add_argument("--out", metavar="DIR", default=None, help="output folder (default: ./plan-PRESET or ./plan)")
@@ -112,8 +116,11 @@ def _problem(args: argparse.Namespace):
     profile = read_profile(args.profile)
     shape = profile.fingerprint
     ranks = args.ranks_per_node or shape.world_size
+    if args.max_grad_error <= 0:
+        raise ValueError(f"--max-grad-error: must be > 0, got {args.max_grad_error}")
     problem, sizes = problem_from_profile(profile, Budgets(args.cpu_mem, args.gpu_mem, args.nvme, ranks),
-                                          RankShape(shape.world_size, shape.dtype, shape.dtype != "float32", True))
+                                          RankShape(shape.world_size, shape.dtype, shape.dtype != "float32", True),
+                                          max_grad_error=args.max_grad_error)
     base = {"train_micro_batch_size_per_gpu": shape.micro_batch, "gradient_accumulation_steps": 1}
     if shape.dtype != "float32":
         base["bf16" if shape.dtype == "bfloat16" else "fp16"] = {"enabled": True}

@@ -37,7 +37,10 @@ CPU_ADAM_STATE_BYTES_PER_S = 10 * GB
 GPU_ADAM_STATE_BYTES_PER_S = 2000 * GB
 # Quality penalties in seconds-equivalent, relative to the layer's forward time. A modelling choice,
 # not a measurement: small enough that reduced widths are taken whenever they save time or make a
-# plan fit, large enough that 16 bits wins a tie, and 4 bits costs more than 8.
+# plan fit, large enough that 16 bits wins a tie, and 4 bits costs more than 8. A preset has no
+# measured gradient errors, so this fixed fallback serves every layer alike and no width is ever
+# excluded by `plan.max_grad_error`; a planned run, or `lazyzero plan --profile`, uses the errors its
+# profile measured on the model itself instead (problem_from_profile.QUALITY_COST_PER_ERROR).
 QUALITY_COST_PER_FWD_S = {16: 0.0, 8: 1e-4, 4: 2e-3}
 
 EMBED_AND_HEAD = "embed_and_head"

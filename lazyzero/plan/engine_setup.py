@@ -43,7 +43,7 @@ def plan_run(model: torch.nn.Module, ds_config: dict, config: LazyZeroConfig, di
 
     if not torch.cuda.is_available():
         bound_host_heap()
-    problem, sizes = problem_for_run(model, ds_config, config.plan, dist)
+    problem, sizes = problem_for_run(model, ds_config, config.plan, dist, config.activations)
     if config.plan.plan_path is not None:
         plan = given_plan(problem, config.plan.plan_path)
     else:
@@ -58,8 +58,11 @@ def plan_run(model: torch.nn.Module, ds_config: dict, config: LazyZeroConfig, di
     return active
 
 
-def problem_for_run(model: torch.nn.Module, ds_config: dict, settings, dist):
-    """This rank's planning problem: the profile (measured now, or the cached one) under the budgets."""
+def problem_for_run(model: torch.nn.Module, ds_config: dict, settings, dist, activations=None):
+    """This rank's planning problem: the profile (measured now, or the cached one) under the budgets.
+    `activations`: the run's ActivationsConfig, whose width rules (block size, kept outliers, norm and
+    attention widths) the profile measures bytes, times and gradient errors under, as the plan will
+    run them (None: the defaults)."""
     from lazyzero.plan.implied import calibration_ds_config
     from lazyzero.plan.problem_from_profile import problem_for_config, training_dtype
     from lazyzero.plan.profile.profiler import ProfileSettings, load_or_profile
@@ -83,6 +86,7 @@ def problem_for_run(model: torch.nn.Module, ds_config: dict, settings, dist):
     profile = load_or_profile(_profile_path(settings, model), model,
                               micro_batch=int(ds_config.get("train_micro_batch_size_per_gpu", 1)),
                               seq_len=settings.seq_len, nvme_path=settings.nvme_path, ds_config=ds_config,
+                              activations=activations,
                               settings=ProfileSettings(host_copy_bytes=size, nvme_bytes=size, device_copy_bytes=size),
                               log=lambda line: print(line, flush=True), engine_config=engine_config)
     from lazyzero.plan.host_memory import resident_bytes
@@ -215,6 +219,7 @@ def on_rank_zero(work, dist):
 def given_plan(problem: PlanProblem, path: str) -> Plan:
     """The per-layer choices of the plan in `path`, with predictions made anew for this run's problem
     (the file's were for the problem it was solved for); same layers, within every budget."""
+    from lazyzero.plan.problem import check_act_widths
     from lazyzero.plan.simulate import check_within_budgets, evaluate_layers
 
     try:
@@ -224,6 +229,11 @@ def given_plan(problem: PlanProblem, path: str) -> Plan:
     if len(plan.layers) != problem.num_layers:
         raise ValueError(f"lazyzero.plan.plan_path: {path} plans {len(plan.layers)} layers; this model has "
                          f"{problem.num_layers} ({', '.join(c.name for c in problem.layers)})")
+    try:
+        check_act_widths(problem, plan.layers)
+    except ValueError as error:
+        raise ValueError(f"lazyzero.plan.plan_path: {path}: {error}; lazyzero.plan.max_grad_error sets the bound") \
+            from None
     plan = evaluate_layers(problem, plan.layers, plan.source, plan.status)
     check_within_budgets(problem, plan)
     return plan

@@ -1,11 +1,12 @@
 """A feasible plan by rules: the MILP's warm start and its feasibility oracle (docs/plan.md).
 
-Start with everything on the device at the widest allowed width. While the simulator reports a tier
-over its budget, apply the single-layer move that frees bytes on that tier at the lowest estimated
-cost per byte: narrower activations, recompute, offloaded activations, offloaded optimizer state,
-offloaded parameters. The optimizer state is 8-bit from the start where allowed (placement_options
-explains why). Moves only go "down" (narrower, slower tiers), so the loop ends. Under
-`offload_all_or_none` a kind (parameters, optimizer states) leaves the device in every layer at once.
+Start with everything on the device at the widest width each layer may use. While the simulator
+reports a tier over its budget, apply the single-layer move that frees bytes on that tier at the
+lowest estimated cost per byte: narrower activations (among the layer's widths), recompute,
+offloaded activations, offloaded optimizer state, offloaded parameters. The optimizer state is 8-bit
+from the start where allowed (placement_options explains why). Moves only go "down" (narrower,
+slower tiers), so the loop ends. Under `offload_all_or_none` a kind (parameters, optimizer states)
+leaves the device in every layer at once.
 
 The cost estimate is pessimistic (every copy counted as exposed) and the bytes freed ignore which
 window holds the peak; the simulator, not the estimate, decides when the plan fits.
@@ -19,12 +20,14 @@ from dataclasses import replace
 from lazyzero.plan.problem import (
     RECOMPUTE,
     LayerPlan,
+    Placement,
     Plan,
     PlanInfeasible,
     PlanProblem,
     optimizer_step_s,
     placement_options,
     placement_traffic,
+    widest_activation,
 )
 from lazyzero.plan.simulate import evaluate_layers
 
@@ -48,18 +51,12 @@ def greedy_plan(problem: PlanProblem) -> Plan:
 
 
 def _widest(problem: PlanProblem, i: int) -> LayerPlan:
-    """Everything on the device at the widest allowed width (8-bit state where it is no larger), or
-    on the first tier parameters may use; a fixed placement as it is."""
+    """Everything on the device at the widest width the layer may use (recomputed if none; 8-bit
+    state where it is no larger), or on the first tier parameters may use; a fixed placement as it is."""
     first = placement_options(problem, i)[0]
     if _placement_fixed(problem, i):
-        return LayerPlan.of(_keep_widest(problem), first)
-    return LayerPlan("keep", max(problem.allowed_bits), "gpu", first.param_tier, "gpu", first.state_8bit)
-
-
-def _keep_widest(problem: PlanProblem):
-    from lazyzero.plan.problem import ActChoice
-
-    return ActChoice("keep", max(problem.allowed_bits), "gpu")
+        return LayerPlan.of(widest_activation(problem, i), first)
+    return LayerPlan.of(widest_activation(problem, i), Placement(first.param_tier, "gpu", first.state_8bit))
 
 
 def _placement_fixed(problem: PlanProblem, i: int) -> bool:
@@ -119,7 +116,7 @@ def _moves(problem: PlanProblem, i: int, lp: LayerPlan) -> list[LayerPlan]:
     """Every one-step downward change of layer i's choices."""
     moves = []
     if lp.act_mode == "keep":
-        narrower = [b for b in problem.allowed_bits if b < lp.act_bits]
+        narrower = [b for b in problem.layer_widths(i) if b < lp.act_bits]
         if narrower:
             moves.append(replace(lp, act_bits=max(narrower)))
         if problem.allow_recompute:

@@ -28,6 +28,7 @@ from typing import NamedTuple
 TIER_NAMES = ("gpu", "cpu", "nvme")
 PATH_NAMES = ("d2h", "h2d", "nvme_write", "nvme_read")
 BIT_WIDTHS = (16, 8, 4)
+REDUCED_WIDTHS = (8, 4)  # the widths that lose precision (16 keeps activations as saved)
 PLAN_SOURCES = ("milp", "greedy", "fixed_rule", "deepspeed_default")
 
 
@@ -66,6 +67,11 @@ class LayerCosts:
     (the work of moving them: on a machine without a GPU it competes with compute).
     stage_bytes_fp32 / _8bit: host bytes the NVMe optimizer swapper stages to step this layer's state
     (None: the state's own bytes).
+    act_widths: the widths this layer may store its activations at; a width whose measured gradient
+    error exceeds the run's bound (`plan.max_grad_error`, problem_from_profile.py) is left out. 16
+    (exact) always stays, and recompute is always possible, so the bound never takes away a plan.
+    grad_error[bits]: that measured error (LayerProfile.grad_error), shown beside the plan; None where
+    nothing was measured (the analytic presets).
     """
 
     name: str
@@ -85,9 +91,15 @@ class LayerCosts:
     offload_bwd_s: dict[int, float] = field(default_factory=lambda: dict.fromkeys(BIT_WIDTHS, 0.0))
     stage_bytes_fp32: int | None = None
     stage_bytes_8bit: int | None = None
+    act_widths: tuple[int, ...] = BIT_WIDTHS
+    grad_error: dict[int, float] | None = None
 
     def __post_init__(self):
         _require(bool(self.name), "name", "must be a non-empty string")
+        object.__setattr__(self, "act_widths", tuple(self.act_widths))
+        _require(16 in self.act_widths and set(self.act_widths) <= set(BIT_WIDTHS), "act_widths",
+                 f"must hold 16 (exact storage is always allowed) and only widths of {BIT_WIDTHS}, "
+                 f"got {self.act_widths!r}")
         _require_nonnegative(self, ("fwd_s", "bwd_s", "input_bytes", "param_bytes", "grad_bytes",
                                     "optim_state_bytes_fp32", "optim_state_bytes_8bit"))
         _require(self.recompute_s is None or self.recompute_s >= 0, "recompute_s",
@@ -96,6 +108,9 @@ class LayerCosts:
             table = getattr(self, field_name)
             _require(set(table) == set(BIT_WIDTHS), field_name, f"needs exactly the keys {BIT_WIDTHS}")
             _require(all(v >= 0 for v in table.values()), field_name, "values must be >= 0")
+        if self.grad_error is not None:
+            _require(set(self.grad_error) == set(BIT_WIDTHS) and all(v >= 0 for v in self.grad_error.values()),
+                     "grad_error", f"needs exactly the keys {BIT_WIDTHS}, with values >= 0 (or None)")
         _require(self.quality_cost[16] == 0, "quality_cost", "16 bits is the reference: its cost must be 0")
 
     def state_bytes(self, eight_bit: bool) -> int:
@@ -261,6 +276,14 @@ class PlanProblem:
             object.__setattr__(self, "fixed_placements", tuple(self.fixed_placements))
             _require(len(self.fixed_placements) == len(self.layers), "fixed_placements",
                      f"needs one entry (a placement or None) per layer, got {len(self.fixed_placements)}")
+        for i, costs in enumerate(self.layers):
+            _require(bool(self.layer_widths(i)) or self.allow_recompute, "allowed_bits",
+                     f"layer {costs.name} may store its activations at {costs.act_widths} (its gradient error "
+                     f"bound), none of which is in {self.allowed_bits}, and recompute is not allowed")
+
+    def layer_widths(self, layer: int) -> tuple[int, ...]:
+        """The widths layer `layer` may store its activations at: allowed for the run and for the layer."""
+        return tuple(bits for bits in self.allowed_bits if bits in self.layers[layer].act_widths)
 
     @property
     def num_layers(self) -> int:
@@ -356,8 +379,15 @@ RECOMPUTE = ActChoice("recompute", 16, "gpu")
 def activation_options(problem: PlanProblem, layer: int) -> list[ActChoice]:
     """Every allowed way to carry layer `layer`'s activations to its backward."""
     tiers = [t for t in problem.machine.tiers if t == "gpu" or problem.activation_read_windows(layer)]
-    options = [ActChoice("keep", bits, tier) for tier in tiers for bits in problem.allowed_bits]
+    options = [ActChoice("keep", bits, tier) for tier in tiers for bits in problem.layer_widths(layer)]
     return options + ([RECOMPUTE] if problem.allow_recompute else [])
+
+
+def widest_activation(problem: PlanProblem, layer: int, tier: str = "gpu") -> ActChoice:
+    """Layer `layer`'s activations kept on `tier` at the widest width it may use, or recomputed
+    where it may use none."""
+    widths = problem.layer_widths(layer)
+    return ActChoice("keep", max(widths), tier) if widths else RECOMPUTE
 
 
 def placement_options(problem: PlanProblem, layer: int) -> list[Placement]:
@@ -432,6 +462,14 @@ def check_offload_all_or_none(problem: PlanProblem, layers) -> None:
         if 0 < len(on_device) < len(layers):
             raise ValueError(f"offload_all_or_none: layers {on_device} keep their {kind} tensors on the device and "
                              "the others do not; DeepSpeed offloads all of them or none")
+
+
+def check_act_widths(problem: PlanProblem, layers) -> None:
+    """Raise ValueError if a layer keeps its activations at a width its gradient error bound excludes."""
+    for costs, lp in zip(problem.layers, layers):
+        if lp.act_mode == "keep" and lp.act_bits not in costs.act_widths:
+            raise ValueError(f"layer {costs.name} keeps its activations at {lp.act_bits} bits, whose measured "
+                             f"gradient error exceeds the bound (it may use {costs.act_widths})")
 
 
 def blocking_seconds(problem: PlanProblem, traffic: Traffic) -> float:

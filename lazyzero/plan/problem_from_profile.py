@@ -8,7 +8,9 @@ budgets into a `PlanProblem`, in the bytes and seconds of one rank of a `world_s
 - a layer's forward is its measured compute plus one all-gather of its parameters, its backward the
   measured backward plus another all-gather (parameters are released after each use) and the
   reduce-scatter of its gradients (measured collectives, linear in bytes);
-- activations, recompute and packing costs are the measured ones;
+- activations, recompute and packing costs are the measured ones; a reduced width's quality penalty is
+  in proportion to its measured gradient error on the layer, and a width whose error exceeds
+  `plan.max_grad_error` is not offered to that layer at all;
 - the optimizer's speed per state byte is the measured step of the optimizer that will run: lazyzero's
   8-bit step where states are 8-bit, DeepSpeed's CPU Adam under optimizer offload, torch's AdamW on
   the device;
@@ -30,16 +32,20 @@ import shutil
 from dataclasses import dataclass, replace
 
 from lazyzero.config.memory import parse_memory_size
-from lazyzero.plan.costs import EMBED_AND_HEAD, FP32_BYTES, optimizer_state_bytes
+from lazyzero.plan.costs import EMBED_AND_HEAD, FP32_BYTES, QUALITY_COST_PER_FWD_S, optimizer_state_bytes
 from lazyzero.plan.implied import OPTIMIZER_SWAP_BUFFERS, PARAM_SWAP_BUFFERS_PER_TENSOR, ModelSizes
 from lazyzero.plan.problem import BIT_WIDTHS, LayerCosts, Machine, Path, PlanProblem, Tier
 from lazyzero.plan.profile.data import LayerProfile, ModelProfile
 from lazyzero.plan.swap_buffers import largest_sub_group_bound, optimizer_swap_bytes, parameter_swap_bytes
 
-# Quality penalty of a reduced width, in seconds-equivalent per second of the layer's forward: small
-# enough that a width is lowered whenever that saves time or makes a plan fit, large enough that
-# 16 bits wins a tie and 8 bits beats 4 (the same choice as costs.QUALITY_COST_PER_FWD_S).
-QUALITY_COST_PER_FWD_S = {16: 0.0, 8: 1e-4, 4: 2e-3}
+# Quality penalty of a reduced width, in seconds-equivalent: this constant x the width's measured
+# gradient error on the layer (LayerProfile.grad_error) x the layer's forward seconds. It keeps the
+# scale of the fixed penalties the analytic presets use (costs.QUALITY_COST_PER_FWD_S, 1e-4 and 2e-3
+# per forward second at 8 and 4 bits) for the errors of the randomly initialized demo preset, whose
+# median layer measures 0.0032 at 8 bits and 0.047 at 4 (docs/plan.md, "Quality"): 0.04 x those is
+# 1.3e-4 and 1.9e-3. So a width is still lowered whenever that saves time or makes a plan fit, 16 bits
+# wins a tie, and between layers the planner now narrows those its measurement says suffer least.
+QUALITY_COST_PER_ERROR = 0.04
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
@@ -66,11 +72,13 @@ class RankShape:
 
 
 def problem_from_profile(profile: ModelProfile, budgets: Budgets, shape: RankShape, *,
-                         allowed_bits=BIT_WIDTHS, allow_recompute: bool = True,
+                         allowed_bits=BIT_WIDTHS, allow_recompute: bool = True, max_grad_error: float | None = None,
                          process_bytes: int | None = None, feature_bytes: int = 0) -> tuple[PlanProblem, ModelSizes]:
     """The problem, corrected by the profile's engine calibration when it has one (calibrate.py).
     `feature_bytes`: what the run's other lazyzero features hold whatever the plan
-    (`feature_workspace_bytes`), added to the workspace.
+    (`feature_workspace_bytes`), added to the workspace. `max_grad_error`: widths whose measured
+    gradient error on a layer exceeds it are not offered to that layer (`LayerCosts.act_widths`;
+    None: no bound).
 
     `process_bytes`: what the rank holds besides the model and the engine, measured just before the
     engine is built (the profile's leftovers and the training loop's data included); None: from the
@@ -79,7 +87,7 @@ def problem_from_profile(profile: ModelProfile, budgets: Budgets, shape: RankSha
 
     machine = _machine(profile, budgets, shape)
     offloaded_grads = machine.nvme_state_takes_grads
-    layers = tuple(_layer_costs(profile, row, shape, offloaded_grads) for row in profile.layers)
+    layers = tuple(_layer_costs(profile, row, shape, offloaded_grads, max_grad_error) for row in profile.layers)
     if process_bytes is None:
         process_bytes = max(0, profile.memory.rss_bytes - profile.memory.param_bytes)
     workspace = process_bytes + _engine_workspace_bytes(profile, shape, offloaded_grads) + feature_bytes
@@ -135,7 +143,8 @@ def _collective_s(profile: ModelProfile, name: str, full_bytes: float) -> float:
     return 0.0 if speed is None else speed.s_per_byte * full_bytes
 
 
-def _layer_costs(profile: ModelProfile, row: LayerProfile, shape: RankShape, offloaded_grads: bool) -> LayerCosts:
+def _layer_costs(profile: ModelProfile, row: LayerProfile, shape: RankShape, offloaded_grads: bool,
+                 max_grad_error: float | None) -> LayerCosts:
     """One layer's costs on one rank. `offloaded_grads`: the optimizer is offloaded (to NVMe, on a
     machine without a GPU), so DeepSpeed keeps every gradient partition in fp32."""
     dtype_bytes = _DTYPE_BYTES[shape.dtype]
@@ -163,12 +172,29 @@ def _layer_costs(profile: ModelProfile, row: LayerProfile, shape: RankShape, off
         param_bytes=partition * dtype_bytes, grad_bytes=partition * (FP32_BYTES if offloaded_grads else dtype_bytes),
         optim_state_bytes_fp32=optimizer_state_bytes(numels, False, master_bytes=master, world_size=shape.world_size),
         optim_state_bytes_8bit=optimizer_state_bytes(numels, True, master_bytes=master, world_size=shape.world_size),
-        quality_cost={bits: QUALITY_COST_PER_FWD_S[bits] * row.fwd_s for bits in BIT_WIDTHS},
+        quality_cost=_quality_cost(row), act_widths=within_error_bound(row, max_grad_error),
+        grad_error=dict(row.grad_error) if decoder else None,
         pack_fwd_s=pack_fwd, pack_bwd_s=pack_bwd, recompute_s=recompute,
         **({"offload_fwd_s": offload_fwd, "offload_bwd_s": offload_bwd} if offload_fwd else {}),
         # DeepSpeed's NVMe optimizer swapper stages its buffers of one fp32 partition each; where the
         # optimizer is always swapped, its buffers are in the workspace instead.
         stage_bytes_fp32=stage, stage_bytes_8bit=stage)
+
+
+def _quality_cost(row: LayerProfile) -> dict[int, float]:
+    """Per width, QUALITY_COST_PER_ERROR x the measured gradient error x the forward seconds. The head
+    is never packed (the same bytes at every width, nothing measured): the analytic presets' fixed
+    penalties only break its tie, at 16 bits."""
+    if row.name == EMBED_AND_HEAD:
+        return {bits: QUALITY_COST_PER_FWD_S[bits] * row.fwd_s for bits in BIT_WIDTHS}
+    return {bits: QUALITY_COST_PER_ERROR * row.grad_error[bits] * row.fwd_s for bits in BIT_WIDTHS}
+
+
+def within_error_bound(row: LayerProfile, max_grad_error: float | None) -> tuple[int, ...]:
+    """The widths whose measured gradient error on this layer is within `max_grad_error` (all when
+    None); 16, exact, always."""
+    return tuple(bits for bits in BIT_WIDTHS
+                 if bits == 16 or max_grad_error is None or row.grad_error[bits] <= max_grad_error)
 
 
 def _offload_work(row: LayerProfile, act: dict[int, int]) -> tuple[dict, dict]:
@@ -274,7 +300,8 @@ def problem_for_config(profile: ModelProfile, ds_config: dict, settings, world_s
                       settings.allow_8bit_optimizer)
     budgets = Budgets(settings.cpu_mem, settings.gpu_mem, settings.nvme_path, local_ranks, settings.memory_reserve)
     problem, sizes = problem_from_profile(profile, budgets, shape, allowed_bits=tuple(settings.allowed_bits),
-                                          allow_recompute=settings.allow_recompute, process_bytes=process_bytes,
+                                          allow_recompute=settings.allow_recompute,
+                                          max_grad_error=settings.max_grad_error, process_bytes=process_bytes,
                                           feature_bytes=feature_workspace_bytes(profile, ds_config, shape))
     problem = _with_checkpoint_traffic(problem, profile, ds_config, shape, settings.checkpoint_every)
     share = getattr(settings, "headroom_share", None)

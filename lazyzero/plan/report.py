@@ -9,11 +9,11 @@ from pathlib import Path as FilePath
 
 from lazyzero.plan.baselines import deepspeed_default_plan, fixed_rule_plan
 from lazyzero.plan.greedy import greedy_plan
-from lazyzero.plan.problem import Plan, PlanInfeasible, PlanProblem
+from lazyzero.plan.problem import BIT_WIDTHS, REDUCED_WIDTHS, LayerCosts, Plan, PlanInfeasible, PlanProblem
 from lazyzero.plan.simulate import BudgetExceeded, check_within_budgets, simulate, window_label
 
 GB = 1e9
-TABLE_WIDTH = 110
+TABLE_WIDTH = 130
 # Layers between the activations LazyTrain's fixed rule keeps (its paper's default).
 FIXED_RULE_K = 4
 
@@ -24,12 +24,14 @@ def plan_table(problem: PlanProblem, plan: Plan) -> str:
     from rich.console import Console
     from rich.table import Table
 
-    layers = Table(title=f"{plan.source} plan, {problem.num_layers} layers")
-    for column in ("layer", "activations", "bits", "act tier", "params", "state", "state bits"):
+    layers = Table(title=f"{plan.source} plan, {problem.num_layers} layers; grad error: measured relative L2 "
+                         f"error of the layer's gradients at 8/4 bits, excluded: widths over the bound")
+    for column in ("layer", "activations", "bits", "act tier", "params", "state", "state bits", "grad error 8/4",
+                   "excluded"):
         layers.add_column(column)
     for costs, lp in zip(problem.layers, plan.layers):
         layers.add_row(costs.name, lp.act_mode, str(lp.act_bits), lp.act_tier, lp.param_tier, lp.state_tier,
-                       "8" if lp.state_8bit else "32")
+                       "8" if lp.state_8bit else "32", *_quality_cells(costs))
     tiers = Table(title="predicted peak memory per tier")
     for column in ("tier", "peak GB", "budget GB", "used"):
         tiers.add_column(column, justify="right")
@@ -44,6 +46,14 @@ def plan_table(problem: PlanProblem, plan: Plan) -> str:
     console.print(f"predicted step time {plan.predicted_step_s:.3f} s, solved in {plan.solve_s:.2f} s, "
                   f"gap {100 * plan.gap:.2f}%, status {plan.status}")
     return buffer.getvalue()
+
+
+def _quality_cells(costs: LayerCosts) -> tuple[str, str]:
+    """The layer's measured gradient errors at 8 and 4 bits ("-": not measured) and the widths its
+    error bound excludes ("-": none)."""
+    errors = "-" if costs.grad_error is None else "/".join(f"{costs.grad_error[b]:.4f}" for b in REDUCED_WIDTHS)
+    excluded = [str(b) for b in BIT_WIDTHS if b not in costs.act_widths]
+    return errors, ",".join(excluded) or "-"
 
 
 def baseline_step_times(problem: PlanProblem, greedy: Plan | None = None) -> dict[str, str]:

@@ -4,7 +4,8 @@ Written independently of the MILP's formulas (`milp.py` sums closed-form express
 step), so a modelling error in one shows up as a disagreement with the other. It uses the plan's own
 transfer schedule (the MILP's, or `default_schedule` for rule-based plans) and checks that the
 schedule moves every offloaded activation and the checkpoint snapshot in full, in allowed windows,
-and that the plan keeps the problem's offload_all_or_none rule (a ValueError otherwise).
+that the plan keeps the problem's offload_all_or_none rule and that no layer keeps its activations at
+a width its gradient error bound excludes (a ValueError otherwise).
 
 Memory rules walked here (see problem.py for the windows):
 - device: workspace, parameters/states placed on it, 2x the largest offloaded parameter and 2x the
@@ -28,6 +29,7 @@ from lazyzero.plan.problem import (
     Plan,
     PlanProblem,
     blocking_seconds,
+    check_act_widths,
     check_offload_all_or_none,
     optimizer_step_s,
     placement_traffic,
@@ -72,6 +74,7 @@ def window_label(problem: PlanProblem, window: int) -> str:
 
 def simulate(problem: PlanProblem, plan: Plan) -> StepSimulation:
     check_offload_all_or_none(problem, plan.layers)
+    check_act_widths(problem, plan.layers)
     _check_schedule(problem, plan)
     compute = _compute_seconds(problem, plan.layers)
     loads = _path_loads(problem, plan)

@@ -1,4 +1,4 @@
-"""The `lazyzero` command line: config check, config reference, ops status."""
+"""The `lazyzero` command line: config check, config reference, ops status, env."""
 
 import json
 import subprocess
@@ -42,3 +42,32 @@ def test_ops_status_names_both_backends():
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
     assert any(line.startswith("cpu") for line in lines) and any(line.startswith("cuda") for line in lines)
+
+
+def test_env_reports_versions_ops_internals_nvme_mpi_and_accelerators():
+    import deepspeed
+    import torch
+
+    proc = _lazyzero("env", "--json")
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    assert list(report) == ["versions", "native ops", "DeepSpeed internals", "NVMe offload", "MPI", "accelerators",
+                            "platform"]
+    assert f"torch: {torch.__version__}" in report["versions"]
+    assert f"deepspeed: {deepspeed.__version__}" in report["versions"]
+    assert report["native ops"][0].startswith("cpu ") and report["native ops"][1].startswith("cuda ")
+    assert report["DeepSpeed internals"][0].startswith("ok: all ")
+    assert any(line.startswith("DeepSpeed async_io op: ") for line in report["NVMe offload"])
+    assert any(line.startswith("DeepSpeed accelerator: ") for line in report["accelerators"])
+
+
+def test_env_survives_a_probe_that_fails(monkeypatch):
+    from lazyzero.app import environment
+
+    def broken():
+        raise OSError("no such library")
+
+    monkeypatch.setitem(environment.SECTIONS, "MPI", broken)
+    report = environment.environment_report()
+    assert report["MPI"] == ["probe failed: OSError: no such library"]
+    assert "## MPI\n  probe failed" in environment.format_report(report)

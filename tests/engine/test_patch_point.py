@@ -4,11 +4,11 @@ every change lazyzero makes, its refusals hold, and no other file of the package
 from __future__ import annotations
 
 import ast
-import importlib
 import inspect
 import re
 from pathlib import Path
 
+import deepspeed
 import pytest
 import torch
 from deepspeed.runtime.zero import stage3, utils
@@ -24,8 +24,11 @@ from lazyzero.patch_point import (
     WRAP,
     PatchRefused,
     applied_patches,
+    deepspeed_internals_problems,
     extend_list,
+    original_parameters,
     replace_method,
+    resolve_target,
     swapped,
     wrap_method,
 )
@@ -40,26 +43,6 @@ NOT_DEEPSPEED = {("lazyzero/activations/rewrites.py", "forward"): "the user's mo
 LIST_CHANGES = {"append", "extend", "insert", "remove", "pop", "clear"}
 
 
-def resolve(target: str):
-    module, _, qualified = target.partition(":")
-    value = importlib.import_module(module)
-    for part in qualified.split("."):
-        value = getattr(value, part)
-    return value
-
-
-def undecorated(function):
-    """DeepSpeed's `instrument_w_nvtx` wraps without functools.wraps: its closure holds the original."""
-    while getattr(function, "__code__", None) is not None and function.__code__.co_freevars == ("func",):
-        function = function.__closure__[0].cell_contents
-    return function
-
-
-def parameter_names(value) -> tuple[str, ...]:
-    names = tuple(inspect.signature(undecorated(value)).parameters)
-    return names[1:] if names[:1] == ("self",) else names
-
-
 def bare(cls):
     """An instance without DeepSpeed's constructor: enough to patch and call a replaced method."""
     return cls.__new__(cls)
@@ -69,12 +52,22 @@ def bare(cls):
 
 @pytest.mark.parametrize("point", PATCH_POINTS, ids=lambda point: point.target)
 def test_each_declared_attribute_exists_in_the_installed_deepspeed_as_declared(point):
-    value = resolve(point.target)
+    value = resolve_target(point.target)
     if point.kind == EXTEND:
         assert isinstance(value, list) and point.parameters is None
     else:
         assert callable(value)
-        assert parameter_names(value) == point.parameters
+        assert original_parameters(value) == point.parameters
+
+
+def test_the_internals_check_passes_here_and_names_a_changed_signature_with_the_version(monkeypatch):
+    assert deepspeed_internals_problems() == []
+    monkeypatch.setattr(DeepSpeedZeroOptimizer, "average_tensor", lambda self, tensor: None)
+    monkeypatch.delattr(DeepSpeedZeroOptimizer_Stage3, "_get_norm_groups")
+    problems = deepspeed_internals_problems()
+    assert len(problems) == 2
+    assert "average_tensor: takes ('tensor',)" in problems[0] and deepspeed.__version__ in problems[0]
+    assert "_get_norm_groups: missing" in problems[1]
 
 
 def door_calls(path: Path) -> list[tuple[str, str]]:
@@ -208,7 +201,7 @@ def deepspeed_method_names() -> set[str]:
     """Names of the methods DeepSpeed's classes in the table define (their DeepSpeed bases too), less
     the names DeepSpeed's own modules use as data on self (the engine's `dynamic_loss_scale()` is a
     flag on the ZeRO optimizers)."""
-    classes = {resolve(point.target.rpartition(".")[0]) for point in PATCH_POINTS
+    classes = {resolve_target(point.target.rpartition(".")[0]) for point in PATCH_POINTS
                if "." in point.target.partition(":")[2]}
     bases = {base for cls in classes for base in cls.__mro__ if base.__module__.startswith("deepspeed.")}
     methods = {name for base in bases for name, value in vars(base).items() if inspect.isfunction(value)}

@@ -69,8 +69,10 @@ def test_a_given_plan_is_realized_and_measured_then_replanned(tmp_path):
     layers = [LayerPlan("keep", 4, "nvme", "gpu", "gpu", True),       # layer 0: 4-bit, offloaded
               LayerPlan("recompute", 16, "gpu", "nvme", "nvme", True),  # layer 1: recomputed, on NVMe
               LayerPlan("keep", 16, "gpu", "gpu", "gpu", True)]        # embeddings and head
+    # The given plan stores layer 0 at 4 bits whatever this random model's measured gradient error
+    # there: the bound is lifted (the bound itself: test_quality_bound.py).
     config = planned_config(tmp_path, cpu_mem=16 * GB, plan_path=str(plan_file(tmp_path, layers)),
-                            measure_steps=1, replan_margin=1e-6)
+                            measure_steps=1, replan_margin=1e-6, max_grad_error=1.0)
     # With an evaluation before and after training: decoding under the planner's ZeRO-3 settings
     # (parameters released after each use) must leave nothing in flight.
     printed, records, report = train(tmp_path, config, steps=5, eval_problems=2)

@@ -338,6 +338,10 @@ def test_plan_json_round_trip():
     (lambda: Machine({"gpu": Tier("gpu", 1), "cpu": Tier("cpu", 1)}, {}, 0, 0), "paths"),
     (lambda: LayerCosts("x", -1, 1, {16: 1, 8: 1, 4: 1}, 1, 1, 1, 1, 1, {16: 0, 8: 0, 4: 0}), "fwd_s"),
     (lambda: LayerCosts("x", 1, 1, {16: 1, 8: 1}, 1, 1, 1, 1, 1, {16: 0, 8: 0, 4: 0}), "act_bytes"),
+    (lambda: LayerCosts("x", 1, 1, {16: 1, 8: 1, 4: 1}, 1, 1, 1, 1, 1, {16: 0, 8: 0, 4: 0}, act_widths=(8, 4)),
+     "act_widths"),
+    (lambda: LayerCosts("x", 1, 1, {16: 1, 8: 1, 4: 1}, 1, 1, 1, 1, 1, {16: 0, 8: 0, 4: 0}, grad_error={8: 0.1}),
+     "grad_error"),
     (lambda: random_problem(0, 2, 0.5, allowed_bits=(12,)), "allowed_bits"),
     (lambda: LayerPlan("recompute", 8, "gpu", "gpu", "gpu", False), "act_mode"),
 ])

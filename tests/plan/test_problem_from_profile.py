@@ -27,13 +27,19 @@ LAYER_TENSORS = {"self_attn.q_proj.weight": 64 * 64, "self_attn.k_proj.weight": 
 HEAD_TENSORS = {"model.embed_tokens.weight": 300 * 64, "model.norm.weight": 64, "lm_head.weight": 300 * 64}
 
 
+# Measured gradient errors per width (grad_error.py): layer 1 suffers at 4 bits, as a layer whose
+# stored activations carry massive channels does.
+GRAD_ERRORS = {"model.layers.0": {16: 0.0, 8: 0.004, 4: 0.03}, "model.layers.1": {16: 0.0, 8: 0.006, 4: 0.09},
+               EMBED_AND_HEAD: {16: 0.0, 8: 0.0, 4: 0.0}}
+
+
 def layer(name, tensors, kind="decoder", act=None):
     return LayerProfile(
         name=name, kind=kind, measured_as=name, fwd_s=0.1, bwd_s=0.2, recompute_s=0.09 if kind == "decoder" else None,
         checkpointed_fwd_s=None, checkpointed_bwd_s=None, packed_fwd_s={16: 0.1, 8: 0.11, 4: 0.12},
         packed_bwd_s={16: 0.2, 8: 0.23, 4: 0.25}, act_bytes=act or {16: 30 * MB, 8: 12 * MB, 4: 10 * MB},
         input_bytes=2 * MB, output_bytes=2 * MB, transient_fwd_bytes=3 * MB, transient_bwd_bytes=5 * MB,
-        tensors={key: TensorInfo(numel, "bfloat16") for key, numel in tensors.items()})
+        tensors={key: TensorInfo(numel, "bfloat16") for key, numel in tensors.items()}, grad_error=GRAD_ERRORS[name])
 
 
 def speed(s_per_param):
@@ -204,3 +210,39 @@ def test_lazy_checkpoints_every_n_steps_share_the_windows_with_their_snapshot_tr
     no_nvme = settings.model_copy(update={"nvme_path": None})
     assert problem_for_config(made_up_profile(), ds_config, no_nvme, 2, 2,
                               process_bytes=0)[0].checkpoint_bytes_per_step == 0
+
+
+def test_quality_penalty_follows_the_measured_error_and_the_bound_drops_widths(tmp_path):
+    from lazyzero.plan.costs import QUALITY_COST_PER_FWD_S
+    from lazyzero.plan.problem_from_profile import QUALITY_COST_PER_ERROR
+
+    budgets = Budgets(cpu_mem=4 * 10**9, gpu_mem=None, nvme_path=None, local_ranks=2)
+    shape = RankShape(2, "bfloat16", True, True)
+    bounded, _ = problem_from_profile(made_up_profile(), budgets, shape, max_grad_error=0.05)
+    *decoder, head = bounded.layers
+    for costs in decoder:
+        errors = GRAD_ERRORS[costs.name]
+        assert costs.grad_error == errors
+        assert costs.quality_cost == pytest.approx({b: QUALITY_COST_PER_ERROR * e * 0.1 for b, e in errors.items()})
+    # The head is never packed: nothing measured, the fixed penalties only keep it at 16 bits.
+    assert head.grad_error is None
+    assert head.quality_cost == pytest.approx({b: c * 0.1 for b, c in QUALITY_COST_PER_FWD_S.items()})
+    # Layer 1's 4-bit error (0.09) is over the bound: that width is not offered to it, nor to it alone.
+    assert [c.act_widths for c in bounded.layers] == [(16, 8, 4), (16, 8), (16, 8, 4)]
+    assert bounded.layer_widths(1) == (16, 8)
+    unbounded, _ = problem_from_profile(made_up_profile(), budgets, shape)
+    assert all(c.act_widths == (16, 8, 4) for c in unbounded.layers)
+
+
+def test_a_planned_run_applies_the_configured_bound():
+    from lazyzero.config import PlanConfig
+    from lazyzero.plan.problem_from_profile import problem_for_config
+
+    ds_config = {"bf16": {"enabled": True}, "zero_optimization": {"stage": 3}}
+    default = PlanConfig(enabled=True, seq_len=8, cpu_mem=4 * 10**9)
+    problem, _ = problem_for_config(made_up_profile(), ds_config, default, 2, 2, process_bytes=0)
+    # The default bound (0.02) keeps 8 bits for both layers and drops 4 bits for both (0.03, 0.09).
+    assert [c.act_widths for c in problem.layers] == [(16, 8), (16, 8), (16, 8, 4)]
+    loose = default.model_copy(update={"max_grad_error": 0.1})
+    problem, _ = problem_for_config(made_up_profile(), ds_config, loose, 2, 2, process_bytes=0)
+    assert all(c.act_widths == (16, 8, 4) for c in problem.layers)

@@ -85,7 +85,9 @@ def test_activation_bytes_are_ordered_and_equal_the_packers_in_a_direct_run(tiny
         assert direct[1] == decoder.act_bytes[bits], bits
         # Layer 0 also stores what every layer receives (rotary cos/sin, mask): once per forward.
         assert direct[0] == decoder.act_bytes[bits] + profile.shared_saved_bytes[bits] > direct[1]
-        assert direct[None] == head.act_bytes[bits]
+        # The head is measured at 16 bits only, the bytes the planner counts for it at every width.
+        assert direct[None] <= head.act_bytes[bits] == head.act_bytes[16]
+    assert packer_bytes_by_layer(model, 16)[None] == head.act_bytes[16]
 
 
 def test_parameter_numel_per_tensor_equals_the_models(tiny):
@@ -115,8 +117,25 @@ def test_machine_speeds_are_measured_or_say_why_not(tiny):
 def test_profile_json_round_trip(tiny, tmp_path):
     profile = tiny[1]
     write_profile(tmp_path / "p.json", profile)
-    assert read_profile(tmp_path / "p.json") == profile
+    again = read_profile(tmp_path / "p.json")
+    assert again == profile
     assert [p.name for p in tmp_path.iterdir()] == ["p.json"]  # the temporary file was renamed
+    # The gradient errors come back keyed by width (JSON keys are strings), every layer its own.
+    for layer in again.layers:
+        assert list(layer.grad_error) == [16, 8, 4] and layer.grad_error[16] == 0.0
+    decoder = [layer.grad_error for layer in again.layers if layer.kind == "decoder"]
+    assert all(0 < errors[8] < errors[4] for errors in decoder) and decoder[0] != decoder[1]
+
+
+def test_a_profile_of_an_older_version_is_refused_by_name(tiny, tmp_path):
+    data = json.loads(tiny[1].to_json())
+    data["version"] = PROFILE_VERSION - 1
+    for layer in data["layers"]:
+        del layer["grad_error"]  # what an older profile lacks
+    (tmp_path / "old.json").write_text(json.dumps(data))
+    with pytest.raises(ProfileFileError, match=f"profile version {PROFILE_VERSION - 1}, this lazyzero reads "
+                                               f"version {PROFILE_VERSION}"):
+        read_profile(tmp_path / "old.json")
 
 
 def test_combine_keeps_the_slowest_rank(tiny):
@@ -198,6 +217,7 @@ def test_cli_writes_a_loadable_profile(tmp_path, capsys):
     assert profile.fingerprint.dtype == "bfloat16" and profile.fingerprint.seq_len == 16
     printed = capsys.readouterr().out
     assert "embed_and_head" in printed and f"wrote {out}" in printed
+    assert "gradient error per layer" in printed
     assert main(["profile", "--model", "tiny", "--micro-batch", "1", "--seq", "16", "--out", str(tmp_path)]) == 2
     assert str(tmp_path) in capsys.readouterr().err
 

@@ -1,12 +1,12 @@
 """Per-layer measurements of the planner's profile: time, saved activations and memory of one decoder
 layer and of the embedding + head, for one micro-batch of the run's shape (docs/plan.md).
 
-A decoder layer is measured alone, on a deep copy of the model's first layer, fed what the model
-really passes it: a forward of the model is stopped right after its first decoder layer and the
-layer's arguments (hidden states, rotary cos/sin, mask, cache flags) are kept. The copy sits in an
-empty shell under its model name (`model.layers.0`), so that the activation policy classifies and
-names its modules as in the model. The batch is right-padded like lazyzero's training data, so the
-model builds the explicit attention mask it builds in training.
+A decoder layer is measured alone, on a deep copy of it, fed what the model really passes it: one
+forward of the model without autograd keeps every decoder layer's arguments (hidden states, rotary
+cos/sin, mask, cache flags). The copy sits in an empty shell under its model name (`model.layers.0`),
+so that the activation policy classifies and names its modules as in the model. The batch is
+right-padded like lazyzero's training data, so the model builds the explicit attention mask it builds
+in training.
 
 The embedding + head is measured on a copy of the model whose decoder layers are pass-throughs:
 embedding, mask and rotary set-up, final norm, lm_head and loss, as one training step runs them.
@@ -78,7 +78,7 @@ def profiling_batch(micro_batch: int, seq_len: int, vocab_size: int, device: tor
 
 @dataclass
 class LayerCall:
-    """The arguments the model passes its first decoder layer; hidden states separate."""
+    """The arguments the model passes one decoder layer; hidden states separate."""
 
     hidden_states: torch.Tensor
     args: tuple
@@ -86,37 +86,51 @@ class LayerCall:
     returns_tuple: bool
 
 
-class _StopForward(Exception):
-    pass
+@dataclass
+class ModelCalls:
+    """One forward of the model as its decoder layers saw it: each layer's call (by name, in order),
+    the last layer's output, and whether every layer was fed exactly the previous layer's output
+    (then the gradient at a layer's input is the gradient at the previous layer's output)."""
+
+    calls: dict[str, LayerCall]
+    last_output: torch.Tensor
+    chained: bool
 
 
-def capture_layer_call(model: nn.Module, layer: nn.Module, batch: dict) -> LayerCall:
-    """Run the model (no grad) until `layer` returns, keeping what it was called with."""
-    seen = {}
+def capture_layer_calls(model: nn.Module, layers: dict[str, nn.Module], batch: dict) -> ModelCalls:
+    """Run the model on `batch` without autograd, keeping what each of `layers` was called with."""
+    calls, outputs, caches = {}, {}, {}
 
-    def before(module, args, kwargs):
-        # Copied before the layer writes its keys and values into the model's cache.
-        seen["args"], seen["kwargs"] = args, {key: _pristine(value) for key, value in kwargs.items()}
+    def before(name, module, args, kwargs):
+        # The model's cache fills up layer by layer: every call gets a copy of it as layer 0 saw it (empty).
+        for key, value in kwargs.items():
+            if isinstance(value, Cache) and key not in caches:
+                caches[key] = _pristine(value)
+        kwargs = {key: caches.get(key, value) for key, value in kwargs.items()}
+        hidden = args[0] if args else kwargs.pop("hidden_states")
+        calls[name] = (hidden, tuple(args[1:]), kwargs)
 
-    def after(module, args, kwargs, output):
-        seen["returns_tuple"] = isinstance(output, tuple)
-        raise _StopForward
+    def after(name, module, args, output):
+        outputs[name] = output
 
-    handles = [layer.register_forward_pre_hook(before, with_kwargs=True),
-               layer.register_forward_hook(after, with_kwargs=True)]
+    handles = []
+    for name, layer in layers.items():
+        handles += [layer.register_forward_pre_hook(functools.partial(before, name), with_kwargs=True),
+                    layer.register_forward_hook(functools.partial(after, name))]
     try:
         with torch.no_grad():
             model(**batch)
-    except _StopForward:
-        pass
     finally:
         for handle in handles:
             handle.remove()
-    if "returns_tuple" not in seen:
-        raise RuntimeError(f"the model's forward never called its decoder layer {type(layer).__name__}")
-    args, kwargs = seen["args"], dict(seen["kwargs"])
-    hidden = args[0] if args else kwargs.pop("hidden_states")
-    return LayerCall(hidden.detach(), tuple(args[1:]), kwargs, seen["returns_tuple"])
+    missing = [name for name in layers if name not in outputs]
+    if missing:
+        raise RuntimeError(f"the model's forward never called its decoder layers {missing}")
+    names = list(layers)
+    chained = all(calls[name][0] is _first(outputs[previous]) for previous, name in zip(names, names[1:]))
+    return ModelCalls({name: LayerCall(hidden.detach(), args, kwargs, isinstance(outputs[name], tuple))
+                       for name, (hidden, args, kwargs) in calls.items()},
+                      _first(outputs[names[-1]]).detach(), chained)
 
 
 def _pristine(value):
@@ -157,12 +171,16 @@ def _first(output):
 
 class LayerBench:
     """One layer, its input and an output gradient, on `device`; runs forward + backward in the ways
-    the profile needs. `forward(x)` returns the layer's output tensor."""
+    the profile needs. `forward(x)` returns the layer's output tensor. `grad_out`: the gradient its
+    output gets (None: a made-up one, which is all that timing needs)."""
 
     def __init__(self, shell: nn.Module, forward: Callable[[torch.Tensor], torch.Tensor],
-                 hidden: torch.Tensor | None, device: torch.device, seed: int):
+                 hidden: torch.Tensor | None, device: torch.device, seed: int, grad_out: torch.Tensor | None = None):
         self.shell, self.forward, self.device = shell, forward, device
         self.leaf = None if hidden is None else hidden.detach().clone().requires_grad_(True)
+        if grad_out is not None:
+            self.grad_out = grad_out.to(device)
+            return
         generator = torch.Generator().manual_seed(seed + 1)
         with torch.no_grad():
             out = forward(self._input())
@@ -204,6 +222,20 @@ class LayerBench:
             return self._pass(self.forward, lambda: packer)
         finally:
             packer.remove()
+
+    def gradients(self, policy: ActivationPolicy | None) -> list[torch.Tensor | None]:
+        """The gradients of the input, then of every parameter that requires one (None where the
+        output does not depend on it), from one forward (under a new packer with `policy`; None: no
+        packer) and backward with `grad_out`. The parameters' own `.grad` stay untouched."""
+        packer = None if policy is None else ActivationPacker(self.shell, policy, ActivationAccounting())
+        try:
+            with packer if packer is not None else contextlib.nullcontext():
+                out = self.forward(self._input())
+            wanted = [self.leaf] + [param for param in self.shell.parameters() if param.requires_grad]
+            return list(torch.autograd.grad(out, wanted, self.grad_out, allow_unused=True))
+        finally:
+            if packer is not None:
+                packer.remove()
 
     def checkpointed(self) -> tuple[float, ...]:
         """(forward s, backward s, recompute s) under torch's non-reentrant checkpoint (what per-layer
@@ -266,8 +298,8 @@ def interleaved_medians(modes: dict[str, Callable[[], tuple[float, ...]]], repea
 
 # The fields of an activation config that set how a layer at some default width stores what it saves.
 # Overrides, recomputed and offloaded layers are per-layer choices the planner makes: left out.
-WIDTH_RULE_FIELDS = ("attention_bits", "attention_input_bits", "norm_bits", "block_size", "stochastic_rounding",
-                     "recompute_elementwise")
+WIDTH_RULE_FIELDS = ("attention_bits", "attention_input_bits", "norm_bits", "block_size", "keep_outliers",
+                     "stochastic_rounding", "recompute_elementwise")
 
 
 def profiling_config(config: ActivationsConfig, bits: int) -> ActivationsConfig:
@@ -275,38 +307,48 @@ def profiling_config(config: ActivationsConfig, bits: int) -> ActivationsConfig:
     return ActivationsConfig(default_bits=bits, **{name: getattr(config, name) for name in WIDTH_RULE_FIELDS})
 
 
-def decoder_bench(model: nn.Module, name: str, call: LayerCall, device: torch.device, seed: int) -> LayerBench:
+def decoder_bench(model: nn.Module, name: str, call: LayerCall, device: torch.device, seed: int,
+                  grad_out: torch.Tensor | None = None) -> LayerBench:
     """A deep copy of decoder layer `name`, alone, called as the model calls it."""
     layer = copy.deepcopy(dict(model.named_modules())[name]).to(device).train()
     shell = _in_shell(name, layer)
     args, kwargs = _to_device(call.args, device), _to_device(call.kwargs, device)
     return LayerBench(shell, lambda x: _first(layer(x, *args, **_fresh_caches(kwargs))), call.hidden_states.to(device),
-                      device, seed)
+                      device, seed, grad_out)
 
 
-class _PassThrough(nn.Module):
-    """Stands in for a decoder layer: returns its hidden states as the layer would return its output."""
+class PassThrough(nn.Module):
+    """Stands in for a decoder layer: returns its hidden states (or `output`, when given) as the layer
+    would return its output."""
 
-    def __init__(self, returns_tuple: bool):
+    def __init__(self, returns_tuple: bool, output: torch.Tensor | None = None):
         super().__init__()
-        self.returns_tuple = returns_tuple
+        self.returns_tuple, self.output = returns_tuple, output
 
     def forward(self, hidden_states, *args, **kwargs):
-        return (hidden_states,) if self.returns_tuple else hidden_states
+        result = hidden_states if self.output is None else self.output
+        return (result,) if self.returns_tuple else result
+
+
+@contextlib.contextmanager
+def layers_replaced(model: nn.Module, stand_ins: dict[str, nn.Module]):
+    """`model` with the modules named in `stand_ins` replaced by them until the block ends."""
+    modules = dict(model.named_modules())
+    originals = {name: modules[name] for name in stand_ins}
+    try:
+        for name, module in stand_ins.items():
+            _replace(model, name, module)
+        yield model
+    finally:
+        for name, module in originals.items():
+            _replace(model, name, module)
 
 
 def head_bench(model: nn.Module, layer_names: list[str], returns_tuple: bool, batch: dict,
                device: torch.device, seed: int) -> LayerBench:
     """A copy of the model with pass-through decoder layers; its "output" is the loss."""
-    modules = dict(model.named_modules())
-    originals = {name: modules[name] for name in layer_names}
-    try:
-        for name in layer_names:
-            _replace(model, name, _PassThrough(returns_tuple))
+    with layers_replaced(model, {name: PassThrough(returns_tuple) for name in layer_names}):
         shell = copy.deepcopy(model)
-    finally:
-        for name, module in originals.items():
-            _replace(model, name, module)
     shell.to(device).train()
     forward = functools.partial(_loss_of, shell, batch)
     return LayerBench(shell, forward, None, device, seed)
@@ -339,6 +381,11 @@ def offload_config(config: ActivationsConfig, layer: int, nvme_path: str) -> Act
                              offload_nvme_path=nvme_path, **rules)
 
 
+def _measured(bits: int, decoder: bool) -> int:
+    """The width whose measurement stands for `bits`: itself for a decoder layer, 16 for the head."""
+    return bits if decoder else 16
+
+
 def measure_layer(bench: LayerBench, repeats: Repeats, config: ActivationsConfig, decoder: bool,
                   measure_memory: bool, offload: tuple[int, str] | None = None) -> dict:
     """Every LayerProfile measurement of `bench` except names and tensors, as keyword arguments;
@@ -348,7 +395,10 @@ def measure_layer(bench: LayerBench, repeats: Repeats, config: ActivationsConfig
     embedding + head gets a new batch every forward, so everything its first run stored counts.
     Only decoder layers are measured under recomputation. `offload`: (the layer's index, an NVMe
     folder) to also time it with its stored activations offloaded there (16 bits)."""
-    policies = {bits: ActivationPolicy(profiling_config(config, bits)) for bits in BIT_WIDTHS}
+    # The head is never packed at other widths (problem_from_profile gives it its 16-bit bytes at
+    # every width): measuring it at 8 and 4 bits took minutes for a 49152-token vocabulary, for nothing.
+    widths = BIT_WIDTHS if decoder else (16,)
+    policies = {bits: ActivationPolicy(profiling_config(config, bits)) for bits in widths}
     modes = {"plain": bench.plain,
              **{bits: functools.partial(bench.packed, policy) for bits, policy in policies.items()}}
     if decoder:
@@ -363,13 +413,14 @@ def measure_layer(bench: LayerBench, repeats: Repeats, config: ActivationsConfig
     return {
         "fwd_s": fwd_s, "bwd_s": bwd_s, "recompute_s": ckpt[2] if ckpt else None,
         "checkpointed_fwd_s": ckpt[0] if ckpt else None, "checkpointed_bwd_s": ckpt[1] if ckpt else None,
-        "packed_fwd_s": {bits: medians[bits][0] for bits in BIT_WIDTHS},
-        "packed_bwd_s": {bits: medians[bits][1] for bits in BIT_WIDTHS},
-        "act_bytes": {bits: second if decoder else first for bits, (first, second) in saved.items()},
+        "packed_fwd_s": {bits: medians[_measured(bits, decoder)][0] for bits in BIT_WIDTHS},
+        "packed_bwd_s": {bits: medians[_measured(bits, decoder)][1] for bits in BIT_WIDTHS},
+        "act_bytes": {bits: saved[_measured(bits, decoder)][1 if decoder else 0] for bits in BIT_WIDTHS},
         "input_bytes": 0 if bench.leaf is None else bench.leaf.untyped_storage().nbytes(),
         "output_bytes": 0 if output is None else output.untyped_storage().nbytes(),
         "transient_fwd_bytes": transient_fwd, "transient_bwd_bytes": transient_bwd,
-        "shared_saved_bytes": {bits: first - second for bits, (first, second) in saved.items()},
+        "shared_saved_bytes": {bits: saved[_measured(bits, decoder)][0] - saved[_measured(bits, decoder)][1]
+                               for bits in BIT_WIDTHS},
         "offloaded_fwd_s": medians["offload"][0] if "offload" in medians else None,
         "offloaded_bwd_s": medians["offload"][1] if "offload" in medians else None,
     }

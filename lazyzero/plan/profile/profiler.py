@@ -3,9 +3,10 @@
 `profile_model` measures, for one micro-batch of the run's shape and with the thread count the
 caller runs at (`torch.get_num_threads()`), what the planner needs: per decoder layer forward,
 backward and recompute seconds, saved-activation bytes at 16/8/4 bits and what packing costs, the
-same for embedding + head, parameter sizes per tensor, optimizer step speeds, the bandwidths of
-the machine's paths and, with several ranks, ZeRO-3's collectives (`profile_layers.py`,
-`profile_machine.py`; the fields and units are in `profile_data.py`).
+same for embedding + head, each decoder layer's gradient error at 8 and 4 bits, parameter sizes
+per tensor, optimizer step speeds, the bandwidths of the machine's paths and, with several ranks,
+ZeRO-3's collectives (`layers.py`, `grad_error.py`, `machine.py`; the fields and units are in
+`data.py`).
 
 `load_or_profile` keeps the result in a JSON file with a fingerprint of what it depends on (model
 architecture, run shape, dtype, threads, world size, versions, CPU or GPU model, NVMe folder,
@@ -33,6 +34,8 @@ from torch import nn
 
 from lazyzero.config.models import ActivationsConfig
 from lazyzero.plan.costs import EMBED_AND_HEAD
+from lazyzero.plan.problem import BIT_WIDTHS
+from lazyzero.plan.profile import grad_error as grad_error_
 from lazyzero.plan.profile import layers as layers_
 from lazyzero.plan.profile import machine as machine_
 from lazyzero.plan.profile.data import (
@@ -164,6 +167,10 @@ class _Phases:
             torch.distributed.barrier()
         self.bar.set_postfix_str(name)
 
+    def detail(self, text: str) -> None:
+        """How far the current phase is (e.g. "grad_error 3/30 layers")."""
+        self.bar.set_postfix_str(text)
+
     def done(self) -> None:
         self.bar.update(1)
 
@@ -191,7 +198,8 @@ def _measure(model: nn.Module, request: _Request, progress: bool) -> ModelProfil
     started = time.perf_counter()
     rank, world = _world()
     memory = memory_snapshot(model)
-    phases = _Phases(["layers", "embed_and_head", "optimizers", "bandwidths"] + (["collectives"] if world > 1 else [])
+    phases = _Phases(["layers", "grad_error", "embed_and_head", "optimizers", "bandwidths"]
+                     + (["collectives"] if world > 1 else [])
                      + (["engine"] if request.engine_config is not None else []), progress and rank == 0)
     try:
         rows, shared, head_rows = _layer_rows(model, request, phases)
@@ -205,24 +213,43 @@ def _measure(model: nn.Module, request: _Request, progress: bool) -> ModelProfil
 
 
 def _layer_rows(model: nn.Module, request: _Request, phases: _Phases):
-    """Rows for every decoder layer (one measurement per distinct layer shape) and for embed_and_head."""
-    settings, device = request.settings, request.device
-    repeats = layers_.Repeats(settings.repeats, settings.warmup)
+    """Rows for every decoder layer and for embed_and_head, and the bytes every layer's call saves once."""
     decoder = layers_.decoder_layers(model)
     if not decoder:
         raise ValueError(f"{type(model).__name__}: no decoder layers found "
                          "(named like model.layers.N or transformer.h.N)")
-    model_device = next(model.parameters()).device
-    batch = layers_.profiling_batch(request.micro_batch, request.seq_len, model.config.vocab_size, model_device,
-                                    settings.seed)
-    call = layers_.capture_layer_call(model, next(iter(decoder.values())), batch)
+    batch = layers_.profiling_batch(request.micro_batch, request.seq_len, model.config.vocab_size,
+                                    next(model.parameters()).device, request.settings.seed)
+    calls = layers_.capture_layer_calls(model, decoder, batch)
     phases.start("layers")
-    measured, rows, shared = {}, [], {}
+    measured, shared = _decoder_measurements(model, request, decoder, calls)
+    phases.done()
+    phases.start("grad_error")
+    errors = grad_error_.grad_errors(model, calls, batch, request.activations, request.device, request.settings.seed,
+                                     lambda done: phases.detail(f"grad_error {done}/{len(decoder)} layers"))
+    phases.done()
+    rows = []
     for name in decoder:
-        tensors = layers_.tensor_table(model, name + ".")
-        shape = _layer_signature(decoder[name], name, tensors)
-        if shape not in measured:
-            bench = layers_.decoder_bench(model, name, call, device, settings.seed)
+        source, values = measured[name]
+        rows.append(LayerProfile(name=name, kind=DECODER, measured_as=source, grad_error=errors[name],
+                                 tensors=layers_.tensor_table(model, name + "."), **values))
+    phases.start("embed_and_head")
+    head_row = _head_row(model, request, decoder, calls, batch)
+    phases.done()
+    return rows, shared, [head_row]
+
+
+def _decoder_measurements(model: nn.Module, request: _Request, decoder: dict,
+                          calls: layers_.ModelCalls) -> tuple[dict, dict]:
+    """(layer name -> (the layer measured for it, its measurements), bytes saved once per forward):
+    one measurement per distinct layer shape, of the first layer of that shape, called as the model
+    calls it."""
+    settings, repeats = request.settings, layers_.Repeats(request.settings.repeats, request.settings.warmup)
+    by_shape, measured, shared = {}, {}, {}
+    for name in decoder:
+        shape = _layer_signature(decoder[name], name, layers_.tensor_table(model, name + "."))
+        if shape not in by_shape:
+            bench = layers_.decoder_bench(model, name, calls.calls[name], request.device, settings.seed)
             offload = None
             if request.nvme_path is not None and machine_.aio_unavailable_reason() is None:
                 offload = (layers_.layer_number(name), request.nvme_path)
@@ -230,18 +257,23 @@ def _layer_rows(model: nn.Module, request: _Request, phases: _Phases):
                                            offload)
             layer_shared = values.pop("shared_saved_bytes")
             shared = shared or layer_shared  # received by every layer: the first layer's measurement
-            measured[shape] = (name, values)
-        source, values = measured[shape]
-        rows.append(LayerProfile(name=name, kind=DECODER, measured_as=source, tensors=tensors, **values))
-    phases.done()
-    phases.start("embed_and_head")
-    head = layers_.head_bench(model, list(decoder), call.returns_tuple, _to(batch, device), device, settings.seed)
-    values = layers_.measure_layer(head, repeats, request.activations, False, settings.measure_memory)
+            by_shape[shape] = (name, values)
+        measured[name] = by_shape[shape]
+    return measured, shared
+
+
+def _head_row(model: nn.Module, request: _Request, decoder: dict, calls: layers_.ModelCalls,
+              batch: dict) -> LayerProfile:
+    settings, device = request.settings, request.device
+    returns_tuple = next(iter(calls.calls.values())).returns_tuple
+    head = layers_.head_bench(model, list(decoder), returns_tuple, _to(batch, device), device, settings.seed)
+    values = layers_.measure_layer(head, layers_.Repeats(settings.repeats, settings.warmup), request.activations,
+                                   False, settings.measure_memory)
     values.pop("shared_saved_bytes")
-    head_row = LayerProfile(name=EMBED_AND_HEAD, kind=EMBED_AND_HEAD_KIND, measured_as=EMBED_AND_HEAD,
-                            tensors=layers_.tensor_table(model, "", skip=tuple(decoder)), **values)
-    phases.done()
-    return rows, shared, [head_row]
+    # Never packed (the planner gives it the same bytes at every width): no error to measure.
+    return LayerProfile(name=EMBED_AND_HEAD, kind=EMBED_AND_HEAD_KIND, measured_as=EMBED_AND_HEAD,
+                        tensors=layers_.tensor_table(model, "", skip=tuple(decoder)),
+                        grad_error=dict.fromkeys(BIT_WIDTHS, 0.0), **values)
 
 
 def _layer_signature(layer: nn.Module, name: str, tensors: dict) -> tuple:

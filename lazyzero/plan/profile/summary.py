@@ -1,12 +1,13 @@
 """What `lazyzero profile` prints: the measured layers (one row per measurement, with the layers
-that share it), the machine's speeds and what could not be measured."""
+that share it), each layer's gradient error per width, the machine's speeds and what could not be
+measured."""
 
 from __future__ import annotations
 
 import io
 
-from lazyzero.plan.problem import BIT_WIDTHS
-from lazyzero.plan.profile.data import LayerProfile, ModelProfile
+from lazyzero.plan.problem import BIT_WIDTHS, REDUCED_WIDTHS
+from lazyzero.plan.profile.data import DECODER, LayerProfile, ModelProfile
 
 TABLE_WIDTH = 120
 MB = 1e6
@@ -47,6 +48,19 @@ def _layers_table(profile: ModelProfile):
     return table
 
 
+def _grad_error_table(profile: ModelProfile):
+    """Each decoder layer's own measurement (grad_error.py): errors differ between layers of one shape."""
+    from rich.table import Table
+
+    table = Table(title="gradient error per layer")
+    for column in ("layer", *(f"{bits} bits" for bits in REDUCED_WIDTHS)):
+        table.add_column(column, justify="right")
+    for row in profile.layers:
+        if row.kind == DECODER:
+            table.add_row(row.name, *(f"{row.grad_error[bits]:.4f}" for bits in REDUCED_WIDTHS))
+    return table
+
+
 def _machine_table(profile: ModelProfile):
     from rich.table import Table
 
@@ -76,6 +90,9 @@ def profile_table(profile: ModelProfile) -> str:
     buffer = io.StringIO()
     console = Console(file=buffer, width=TABLE_WIDTH, force_terminal=False, color_system=None)
     console.print(_layers_table(profile))
+    console.print(_grad_error_table(profile))
+    console.print("gradient error: relative L2 of a layer's parameter gradients (or, if larger, of its input "
+                  "gradient) with its activations stored at that width, against exact")
     console.print(_machine_table(profile))
     shared = profile.shared_saved_bytes
     if shared:

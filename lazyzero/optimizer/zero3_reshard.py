@@ -218,6 +218,7 @@ def restore(engine, files: list[str], load_dir: str, tag: str) -> None:
                        {engine.param_names[param]: param.ds_id - first_id for param in params}, allow_pickle)
     rank = dist.get_rank(group=zero.dp_process_group)
     first = saved.documents[0]
+    restore_group_settings(engine.basic_optimizer, first[OPTIMIZER_STATE_DICT]["param_groups"])
     zero.loss_scaler, zero.dynamic_loss_scale, zero.overflow = (
         first[LOSS_SCALER], first["dynamic_loss_scale"], first["overflow"])
     if zero.swap_optimizer:
@@ -226,6 +227,18 @@ def restore(engine, files: list[str], load_dir: str, tag: str) -> None:
         _restore_sub_group(engine, saved, sub_group, group_params, rank)
     if zero.persistent_parameters:
         zero.persistent_parameters[0].partition(zero.persistent_parameters)
+
+
+def restore_group_settings(optimizer, saved_groups: list[dict]) -> None:
+    """Each saved param group's settings (lr, betas, eps, ...: all but its parameters) into the
+    optimizer's group of the same position, as torch's `load_state_dict` does. DeepSpeed's lr
+    scheduler restores only its position and sets the lr at its next step, after the optimizer's:
+    without this the first step after a re-split ran at the optimizer's initial lr (0 under a warm-up)."""
+    if len(saved_groups) != len(optimizer.param_groups):
+        raise ValueError(f"the checkpoint has {len(saved_groups)} optimizer param groups, this optimizer "
+                         f"{len(optimizer.param_groups)}; cannot re-split it")
+    for group, saved in zip(optimizer.param_groups, saved_groups):
+        group.update({key: value for key, value in saved.items() if key != "params"})
 
 
 def _restore_sub_group(engine, saved: SavedRanks, sub_group: int, params: list, rank: int) -> None:

@@ -175,8 +175,6 @@ def _resplit_train(tmp_path: Path, name: str, ranks: int, save_dir: Path, steps:
 
 @pytest.mark.slow
 @pytest.mark.multiproc
-@pytest.mark.xfail(strict=True, reason="known defect (docs/optimizer.md): after a ZeRO-3 re-split from 2 ranks to "
-                   "1 the loaded weights are right but the next update has almost no effect")
 def test_zero3_tied_embeddings_save_load_and_resplit_between_rank_counts(tmp_path):
     """SmolLM2 (one embedding shared with the output) saved lazily by 2 ZeRO-3 ranks with 8-bit states,
     resumed on 1 rank (re-split) and from there on 2 again. The loss of the first step after a load

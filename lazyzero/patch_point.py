@@ -215,9 +215,12 @@ def resolve_target(target: str):
 
 
 def original_parameters(value) -> tuple[str, ...]:
-    """Parameter names of a DeepSpeed callable without self, looking through `instrument_w_nvtx`, which
-    wraps without functools.wraps (its closure holds the original)."""
-    while getattr(value, "__code__", None) is not None and value.__code__.co_freevars == ("func",):
+    """Parameter names of a DeepSpeed callable without self, looking through functools.wraps wrappers
+    and `instrument_w_nvtx`, which wraps without functools.wraps (its closure holds the original)."""
+    while True:
+        value = inspect.unwrap(value)  # functools.wraps wrappers (a profiler's, a test's spy)
+        if getattr(value, "__code__", None) is None or value.__code__.co_freevars != ("func",):
+            break
         value = value.__closure__[0].cell_contents
     names = tuple(inspect.signature(value).parameters)
     return names[1:] if names[:1] == ("self",) else names

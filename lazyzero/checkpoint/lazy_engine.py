@@ -40,7 +40,6 @@ from lazyzero.checkpoint.durable_io import remove_tree
 from lazyzero.checkpoint.faults import failpoint
 from lazyzero.checkpoint.folder_layout import check_tag, leftover_dirs, temp_dir
 from lazyzero.checkpoint.manifest import Manifest
-from lazyzero.checkpoint.safe_load import load_checkpoint_file
 from lazyzero.checkpoint.snapshot import (
     BufferBudget,
     FileSnapshot,
@@ -51,6 +50,7 @@ from lazyzero.checkpoint.snapshot import (
     start_device_copies,
 )
 from lazyzero.checkpoint.staged_io import StagingBlocks
+from lazyzero.safe_load import load_checkpoint_file
 
 
 class CheckpointFailedError(RuntimeError):

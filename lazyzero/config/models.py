@@ -281,7 +281,7 @@ class CheckpointConfig(ConfigSection):
 
     allow_pickle: bool = False
     """Load checkpoint files that hold types other than tensors, containers, numbers and DeepSpeed's few
-    (lazyzero/checkpoint/safe_load.py). Loading such a file runs code it names: only for folders you trust."""
+    (lazyzero/safe_load.py). Loading such a file runs code it names: only for folders you trust."""
 
 
 # The capabilities, each switched by its section's `enabled`, in the order they are reported.

@@ -21,9 +21,9 @@ import deepspeed.comm as dist
 import torch
 from deepspeed.checkpoint.constants import BASE_OPTIMIZER_STATE, OPTIMIZER_STATE_DICT
 
-from lazyzero.checkpoint.safe_load import load_checkpoint_file, pickle_allowed
 from lazyzero.optimizer import zero3_reshard
 from lazyzero.optimizer.adam8bit_optimizer import decode_moments, encode_moments
+from lazyzero.safe_load import load_checkpoint_file, pickle_allowed
 
 
 def saved_optimizer_files(load_dir: str, tag: str) -> list[str]:

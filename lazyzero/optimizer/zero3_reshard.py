@@ -31,9 +31,9 @@ import numpy as np
 import torch
 from deepspeed.checkpoint.constants import FP32_FLAT_GROUPS, LOSS_SCALER, OPTIMIZER_STATE_DICT
 
-from lazyzero.checkpoint.safe_load import load_checkpoint_file, pickle_allowed
 from lazyzero.optimizer.adam8bit_optimizer import CODE_KEYS, EIGHT_BIT_KEYS, FP32_KEYS, decode_moments, encode_moments
 from lazyzero.optimizer.nvme_swap import PACKED_FILE_SUFFIX, PackedLayout
+from lazyzero.safe_load import load_checkpoint_file, pickle_allowed
 
 EIGHT_BIT_MOMENTS = ("m", "sqrt_v")
 MODEL_STATES = "zero_pp_rank_0_mp_rank_00_model_states.pt"

@@ -1,4 +1,4 @@
-"""Checkpoint files load without running code (lazyzero/checkpoint/safe_load.py, docs/reliability.md):
+"""Checkpoint files load without running code (lazyzero/safe_load.py, docs/reliability.md):
 every type DeepSpeed's own files hold is allowlisted, anything else is refused before it runs,
 and `allow_pickle` is the explicit opt-out."""
 
@@ -8,13 +8,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from lazyzero.checkpoint.safe_load import (
+from lazyzero.config import validate_ds_config
+from lazyzero.safe_load import (
     OPT_OUT_KEY,
     UnsafeCheckpointFile,
     allowed_types,
     load_checkpoint_file,
 )
-from lazyzero.config import validate_ds_config
 from lazyzero.testing import run_distributed
 
 WORKER = Path(__file__).resolve().parent / "safe_load_worker.py"

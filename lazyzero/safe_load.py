@@ -1,4 +1,4 @@
-"""Checkpoint files are read without running code (docs/reliability.md, "Loading runs no code").
+"""Checkpoint files are read without running code (docs/reliability.md, guarantee 2).
 
 `torch.load(weights_only=True)` unpickles tensors, containers and numbers only; any other type in
 the file must be allowlisted. DeepSpeed's own files hold a few of its classes (the ZeRO stage enum,

@@ -56,9 +56,8 @@ def restore_resharded_states(engine, load_dir: str, tag: str) -> None:
     allow_pickle = pickle_allowed(engine.lazyzero_config)
     saved = [load_checkpoint_file(path, "cpu", allow_pickle)[OPTIMIZER_STATE_DICT][BASE_OPTIMIZER_STATE]
              for path in saved_optimizer_files(load_dir, tag)]
-    saved_groups = saved[0]["param_groups"]
     optimizer = engine.basic_optimizer
-    zero3_reshard.restore_group_settings(optimizer, saved_groups)
+    zero3_reshard.restore_group_settings(optimizer, saved[0]["param_groups"])
     rank = dist.get_rank(group=engine.optimizer.dp_process_group)
     for index, group in enumerate(optimizer.param_groups):
         (partition,) = group["params"]

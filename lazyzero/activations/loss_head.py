@@ -23,26 +23,33 @@ import torch
 from torch import nn
 
 IGNORE_INDEX = -100  # transformers' label for positions that are not predicted
-CHUNK_ELEMENTS = 1 << 23  # fp32 logits per chunk: 32 MB, whatever the vocabulary
+CHUNK_ELEMENTS = 1 << 23  # fp32 logits per softmax chunk: 32 MB, whatever the vocabulary
+GRAD_CHUNK_ELEMENTS = 1 << 26  # logits' gradients (model dtype) per matmul: 128 MB in bf16
 
 
 class _FusedCrossEntropy(torch.autograd.Function):
     """loss = sum over predicted tokens of (logsumexp(logits) - logit[label]) / denominator, with
-    logits = hidden @ weight.T computed chunk by chunk and never kept."""
+    logits = hidden @ weight.T computed chunk by chunk and never kept.
+
+    The logits' gradients of up to GRAD_CHUNK_ELEMENTS go to one buffer in the model's dtype (what the
+    logits' own dtype would carry back), filled a softmax chunk at a time; the two gradient matmuls then
+    run once over the whole buffer. Small matmuls per softmax chunk, each adding a weight-sized product
+    into an fp32 sum, took several times as long as one large one."""
 
     @staticmethod
     def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, denominator: float):
         grad_hidden = torch.empty_like(hidden)
-        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        grad_weight = None
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
-        rows = max(1, CHUNK_ELEMENTS // weight.shape[0])
+        rows = max(1, GRAD_CHUNK_ELEMENTS // weight.shape[0])
         for start in range(0, hidden.shape[0], rows):
-            chunk, chunk_labels = hidden[start:start + rows], labels[start:start + rows]
-            loss_sum, grad_logits = _chunk_loss_and_grad(chunk @ weight.T, chunk_labels, denominator)
-            total += loss_sum
-            grad_logits = grad_logits.to(hidden.dtype)  # what the logits' own dtype would carry back
+            chunk = hidden[start:start + rows]
+            grad_logits = torch.empty((chunk.shape[0], weight.shape[0]), dtype=hidden.dtype, device=hidden.device)
+            total += _fill_logit_gradients(grad_logits, chunk, weight, labels[start:start + rows], denominator)
             torch.matmul(grad_logits, weight, out=grad_hidden[start:start + rows])
-            grad_weight += (grad_logits.T @ chunk).float()
+            product = grad_logits.T @ chunk
+            del grad_logits
+            grad_weight = product if grad_weight is None else grad_weight.float().add_(product)
         ctx.save_for_backward(grad_hidden, grad_weight.to(weight.dtype))
         return total / denominator
 
@@ -51,6 +58,20 @@ class _FusedCrossEntropy(torch.autograd.Function):
         grad_hidden, grad_weight = ctx.saved_tensors
         scale = grad_loss.to(grad_hidden.dtype)
         return grad_hidden * scale, grad_weight * grad_loss.to(grad_weight.dtype), None, None
+
+
+def _fill_logit_gradients(out: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+                          denominator: float) -> torch.Tensor:
+    """Write d loss / d logits of `hidden`'s tokens into `out` (in its dtype), CHUNK_ELEMENTS fp32 logits at
+    a time; returns their summed loss."""
+    total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+    rows = max(1, CHUNK_ELEMENTS // weight.shape[0])
+    for start in range(0, hidden.shape[0], rows):
+        loss_sum, grad_logits = _chunk_loss_and_grad(hidden[start:start + rows] @ weight.T,
+                                                     labels[start:start + rows], denominator)
+        total += loss_sum
+        out[start:start + rows].copy_(grad_logits)
+    return total
 
 
 def _chunk_loss_and_grad(logits: torch.Tensor, labels: torch.Tensor, denominator: float):

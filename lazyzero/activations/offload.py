@@ -60,7 +60,7 @@ _log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class PackedLayout:
     """A BlockQuantized as bytes: codes from byte 0, fp32 scales from `scales_offset`, then, when it
-    keeps block outliers, their fp32 values and one-byte indices (one of each per block)."""
+    keeps block outliers, their values (in the tensor's dtype) and one-byte indices (one of each per block)."""
 
     codes_dtype: torch.dtype
     codes_numel: int
@@ -86,7 +86,7 @@ class PackedLayout:
 
     @property
     def index_offset(self) -> int:
-        return self.values_offset + 4 * self.scales_numel
+        return self.values_offset + self.dtype.itemsize * self.scales_numel
 
     @property
     def payload_bytes(self) -> int:
@@ -103,7 +103,7 @@ class PackedLayout:
         scales = data[self.scales_offset: self.values_offset].view(torch.float32)
         values = index = None
         if self.keeps_outliers:
-            values = data[self.values_offset: self.index_offset].view(torch.float32)
+            values = data[self.values_offset: self.index_offset].view(self.dtype)
             index = data[self.index_offset: self.payload_bytes]
         packed = BlockQuantized(codes, scales, self.bits, self.block_size, self.shape, self.dtype, values, index)
         return dequantize_blockwise(packed).reshape(-1)

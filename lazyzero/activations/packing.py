@@ -90,16 +90,30 @@ class ActivationPacker:
         modules = dict(model.named_modules())
         self._handles = []
         for entry in self.managed:
-            module = modules[entry.name]
-            self._handles.append(module.register_forward_pre_hook(functools.partial(self._enter_module, entry),
-                                                                  with_kwargs=True))
-            # always_call: an exception inside forward must not leave the module on the stack.
-            self._handles.append(
-                module.register_forward_hook(functools.partial(self._exit_module, entry), always_call=True)
-            )
+            self._manage(modules[entry.name], entry)
         self._rewritten = self._install_rewrites(modules) if policy.config.recompute_elementwise else []
         self._model = model
         self.fused_loss = policy.config.fused_loss and loss_head.install_fused_loss(model)
+        if self.fused_loss:
+            self._manage_loss_head(model, modules)
+
+    def _manage(self, module: nn.Module, entry: ModuleBits) -> None:
+        """Tensors saved while `module` runs (and no managed module inside it) are stored at `entry`'s width."""
+        self._handles.append(module.register_forward_pre_hook(functools.partial(self._enter_module, entry),
+                                                              with_kwargs=True))
+        # always_call: an exception inside forward must not leave the module on the stack.
+        self._handles.append(
+            module.register_forward_hook(functools.partial(self._exit_module, entry), always_call=True)
+        )
+
+    def _manage_loss_head(self, model: nn.Module, modules: dict[str, nn.Module]) -> None:
+        """The fused loss head holds its weight gradient and the hidden states' gradient from forward to
+        backward (lazyzero/activations/loss_head.py): stored at the policy's width for the head."""
+        head = model.get_output_embeddings()
+        name = next(name for name, module in modules.items() if module is head)
+        entry = self.policy.loss_head_entry(name)
+        self.managed.append(entry)
+        self._manage(head, entry)
 
     def _install_rewrites(self, modules: dict[str, nn.Module]) -> list[nn.Module]:
         """Norms and gated MLPs below 16 bits store fewer tensors (lazyzero/activations/rewrites.py)."""

@@ -35,7 +35,7 @@ from torch import nn
 
 from lazyzero.config.models import ActivationsConfig
 
-ModuleKind = Literal["attention", "mlp", "norm", "other"]
+ModuleKind = Literal["attention", "mlp", "norm", "head", "other"]
 KEEP_BITS = 16
 ALLOWED_BITS = (4, 8, KEEP_BITS)
 
@@ -165,6 +165,13 @@ class ActivationPolicy:
             if fnmatch.fnmatchcase(name, pattern):
                 return bits
         return None
+
+    def loss_head_entry(self, name: str) -> ModuleBits:
+        """The width of what the fused loss head (module `name`) holds for backward: its weight's and the
+        hidden states' gradients, computed in forward (lazyzero/activations/loss_head.py). They are
+        gradients, not activations, but held as long as one: an `overrides` pattern, else `default_bits`."""
+        override = self.override_for(name)
+        return ModuleBits(name, "head", None, self.config.default_bits if override is None else override)
 
     def plan(self, model: nn.Module) -> list[ModuleBits]:
         """The modules of `model` that set a width, in `named_modules` order (parents before children).

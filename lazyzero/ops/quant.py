@@ -153,7 +153,8 @@ class BlockQuantized:
     dtype: torch.dtype
     """dtype of the original tensor, restored by default on dequantization."""
     outlier_values: torch.Tensor | None = None
-    """With `keep_outliers`: fp32 [nblocks], each block's largest-magnitude element, kept exact."""
+    """With `keep_outliers`: [nblocks] of the original dtype, each block's largest-magnitude element, kept exact
+    (it is one of the tensor's own values, so a bf16 or fp16 tensor's outliers take 2 bytes, not fp32's 4)."""
     outlier_index: torch.Tensor | None = None
     """With `keep_outliers`: uint8 [nblocks], where that element sits in its block."""
 
@@ -232,7 +233,7 @@ def quantize_blockwise(
         _check_outlier_block_size(block_size)
         op_name = "quantize_int8_outliers" if bits == 8 else "quantize_int4_outliers"
         codes, scales, values, index = _run(op_name, x.device, x, block_size, stochastic, seed)
-        return BlockQuantized(codes, scales, bits, block_size, x.shape, x.dtype, values, index)
+        return BlockQuantized(codes, scales, bits, block_size, x.shape, x.dtype, values.to(x.dtype), index)
     if out is None:
         op_name = "quantize_int8" if bits == 8 else "quantize_int4"
         codes, scales = _run(op_name, x.device, x, block_size, stochastic, seed)
@@ -275,7 +276,8 @@ def dequantize_blockwise(
             "dequantize_int4", q.codes.device, q.codes, q.scales, q.numel, q.block_size, out_dtype
         )
     if q.outlier_values is not None:
-        _run("restore_block_outliers_", flat.device, flat, q.outlier_values, q.outlier_index, q.block_size)
+        values = q.outlier_values.to(torch.float32)  # the kernels' format; exact from any supported dtype
+        _run("restore_block_outliers_", flat.device, flat, values, q.outlier_index, q.block_size)
     return flat.view(q.shape)
 
 

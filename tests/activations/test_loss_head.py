@@ -97,12 +97,40 @@ def test_the_packer_installs_it_by_default_and_removes_it():
         out = model(input_ids=ids, labels=labels)
     out.loss.backward()
     assert out.logits is None
-    # Outside the decoder layers: the embedding's token ids (int64) and the head's hidden-state and
-    # weight gradients, not the fp32 logits transformers would keep.
-    outside_layers = packer.accounting.by_kind()[None].after
-    assert outside_layers == 8 * ids.numel() + 4 * (ids.numel() * HIDDEN + VOCAB * HIDDEN) < 4 * ids.numel() * VOCAB
+    # Outside the decoder layers: the embedding's token ids (int64); the head holds its hidden-state and
+    # weight gradients, not the fp32 logits transformers would keep, and at the default 8 bits.
+    by_kind = packer.accounting.by_kind()
+    assert by_kind[None].after == 8 * ids.numel()
+    held = 4 * (ids.numel() * HIDDEN + VOCAB * HIDDEN)
+    assert by_kind["head"].before == held < 4 * ids.numel() * VOCAB
+    assert by_kind["head"].after < held / 3
     packer.remove()
     assert "forward" not in model.__dict__ and model(input_ids=ids, labels=labels).logits is not None
     off = ActivationPacker(model, ActivationPolicy(ActivationsConfig(enabled=True, fused_loss=False)))
     assert not off.fused_loss and "forward" not in model.__dict__
     off.remove()
+
+
+@pytest.mark.parametrize("default_bits", [8, 16])
+def test_the_heads_held_gradients_follow_the_default_width(default_bits):
+    """What the fused head holds for backward is stored at `default_bits` (kept exact at 16), and at 8
+    bits the model's gradients stay within the packing's own error."""
+    model, (ids, labels) = tiny_llama(), batch()
+    config = ActivationsConfig(enabled=True, default_bits=default_bits, norm_bits=16, attention_bits=16,
+                               overrides={"model.*": 16})
+    packer = ActivationPacker(model, ActivationPolicy(config))
+    with packer:
+        loss = model(input_ids=ids, labels=labels).loss
+    loss.backward()
+    packed = {name: param.grad.clone() for name, param in model.named_parameters()}
+    head = packer.accounting.by_kind()["head"]
+    packer.remove()
+    model.zero_grad()
+    model(input_ids=ids, labels=labels).loss.backward()
+    for name, param in model.named_parameters():
+        if default_bits == 16:
+            assert torch.allclose(packed[name], param.grad, rtol=1e-5, atol=1e-7), name
+        else:
+            cosine = torch.nn.functional.cosine_similarity(packed[name].flatten(), param.grad.flatten(), dim=0)
+            assert cosine > 0.999, (name, float(cosine))
+    assert (head.after == head.before) if default_bits == 16 else (head.after < head.before / 3)

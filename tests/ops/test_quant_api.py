@@ -200,7 +200,9 @@ def test_kept_outliers_are_exact_and_do_not_coarsen_their_block(bits, dtype):
     coarse = dequantize_blockwise(quantize_blockwise(x_big, bits=bits, block_size=64))
     assert (coarse[rest].float() - x[rest].float()).norm() > 5 * (restored[rest].float() - x[rest].float()).norm()
     code_bytes = 64 * 100 * bits // 8
-    assert q.nbytes == code_bytes + 100 * (4 + 4 + 1)  # codes, then per block: scale, value, index
+    # codes, then per block: an fp32 scale, the value in the tensor's own dtype, a one-byte index
+    assert q.nbytes == code_bytes + 100 * (4 + dtype.itemsize + 1)
+    assert q.outlier_values.dtype == dtype
 
 
 def test_kept_outliers_need_a_block_of_at_most_256():

@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib
 import os
 import pickle
+from typing import BinaryIO
 
 import torch
 
@@ -49,26 +50,30 @@ def pickle_allowed(lazyzero_config) -> bool:
     return bool(getattr(lazyzero_config.checkpoint, "allow_pickle", False))
 
 
-def load_checkpoint_file(path: str | os.PathLike, map_location=None, allow_pickle: bool = False, **options):
-    """torch.load of `path` that runs no code unless `allow_pickle`; `options` go to torch.load (mmap)."""
+def load_checkpoint_file(path: str | os.PathLike | BinaryIO, map_location=None, allow_pickle: bool = False,
+                         label: str | os.PathLike | None = None, **options):
+    """torch.load of `path` (a file name, or a binary file object whose name for errors is `label`) that
+    runs no code unless `allow_pickle`; `options` go to torch.load (mmap)."""
     if allow_pickle:
         return torch.load(path, map_location=map_location, weights_only=False, **options)
     try:
         with torch.serialization.safe_globals(allowed_types()):
             return torch.load(path, map_location=map_location, weights_only=True, **options)
     except pickle.UnpicklingError:  # what torch raises when the restricted unpickler meets a global
-        raise UnsafeCheckpointFile(_refusal(path)) from None
+        raise UnsafeCheckpointFile(_refusal(path, path if label is None else label)) from None
 
 
-def _refusal(path: str | os.PathLike) -> str:
-    unsafe = _unsafe_globals(path)
+def _refusal(source: str | os.PathLike | BinaryIO, path: str | os.PathLike) -> str:
+    if hasattr(source, "seek"):
+        source.seek(0)
+    unsafe = _unsafe_globals(source)
     what = ", ".join(unsafe) if unsafe else "an object that is not a tensor, container or number"
     return (f"{path}: refusing to load a checkpoint file that holds {what}: loading it would run code it names. "
             f"lazyzero loads only tensors, containers, numbers and {', '.join(ALLOWED_GLOBALS)}. If you trust this "
             f"folder, set {OPT_OUT_KEY}: true")
 
 
-def _unsafe_globals(path: str | os.PathLike) -> list[str]:
+def _unsafe_globals(path: str | os.PathLike | BinaryIO) -> list[str]:
     """The file's globals that are neither torch's defaults nor allowlisted (empty when unreadable)."""
     allowed = {f"{t.__module__}.{t.__qualname__}" for t in allowed_types()}
     try:

@@ -19,7 +19,14 @@ import sys
 import time
 from pathlib import Path
 
-from lazyzero.checkpoint.folder_layout import LATEST_NAME, MANIFEST_NAME, check_tag, leftover_dirs, read_latest
+from lazyzero.checkpoint.folder_layout import (
+    LATEST_NAME,
+    MANIFEST_NAME,
+    UnsafeCheckpointPath,
+    check_tag,
+    leftover_dirs,
+    read_latest,
+)
 from lazyzero.checkpoint.manifest import (
     CheckpointDamagedError,
     CheckpointEntry,
@@ -29,6 +36,7 @@ from lazyzero.checkpoint.manifest import (
     read_manifest,
     resolve_tag_to_load,
 )
+from lazyzero.safe_load import UnsafeCheckpointFile, load_checkpoint_file
 
 DAMAGED = 1
 USAGE_ERROR = 2
@@ -71,7 +79,7 @@ def _usage_errors_exit_2(command):
     def run(args: argparse.Namespace) -> int:
         try:
             return command(args)
-        except UsageError as err:
+        except (UsageError, UnsafeCheckpointPath) as err:
             print(f"lazyzero ckpt {args.action}: {err}", file=sys.stderr)
             return USAGE_ERROR
     return run
@@ -149,7 +157,7 @@ def check_checkpoint(tag_dir: Path) -> tuple[list[str], Manifest | None]:
 
     try:
         manifest = read_manifest(tag_dir)
-    except CheckpointDamagedError as err:
+    except (CheckpointDamagedError, UnsafeCheckpointPath) as err:
         return [str(err)], None
     with tqdm(total=manifest.total_bytes, unit="B", unit_scale=True, desc=f"verify {tag_dir.name}",
               disable=None, leave=False) as bar:
@@ -165,6 +173,12 @@ def export_command(args: argparse.Namespace) -> int:
     if not _verify_and_report(root / tag):
         print(f"not exporting {tag}: it is damaged", file=sys.stderr)
         return DAMAGED
+    if fp32_file is not None:
+        try:
+            _check_loads_without_code(root / tag)
+        except UnsafeCheckpointFile as err:
+            print(f"not exporting {tag}: {err}", file=sys.stderr)
+            return DAMAGED
     linked, copied = write_deepspeed_folder(root / tag, out)
     print(f"exported {tag} to {out}: {linked} file(s) hard-linked, {copied} copied")
     if fp32_file is not None:
@@ -282,3 +296,11 @@ def human_bytes(count: float) -> str:
 def _aligned(rows: list[tuple[str, ...]]) -> str:
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows)
+
+
+def _check_loads_without_code(tag_dir: Path) -> None:
+    """zero_to_fp32 unpickles every file with weights_only=False: each is first loaded the safe way
+    (memory-mapped, so no bytes are copied), and one that would run code stops the export
+    (UnsafeCheckpointFile naming it)."""
+    for path in sorted(p for p in tag_dir.rglob("*.pt") if p.is_file()):
+        load_checkpoint_file(path, "cpu", mmap=True)

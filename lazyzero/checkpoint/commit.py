@@ -17,7 +17,7 @@ import torch
 
 from lazyzero.checkpoint.durable_io import durable_rename, fsync_dir, remove_tree, write_file_atomically
 from lazyzero.checkpoint.faults import failpoint
-from lazyzero.checkpoint.folder_layout import LATEST_NAME, read_latest, temp_dir, trash_dir
+from lazyzero.checkpoint.folder_layout import LATEST_NAME, latest_text, temp_dir, trash_dir
 from lazyzero.checkpoint.manifest import Manifest, committed_tags
 from lazyzero.checkpoint.snapshot import FileSnapshot
 from lazyzero.checkpoint.staged_io import StagedFileWriter, StagingBlocks
@@ -112,11 +112,11 @@ def commit_on_rank0(save_dir: Path, manifest: Manifest, save_latest: bool, keep_
 def advance_latest(save_dir: Path, tag: str) -> None:
     """Point 'latest' at `tag`. If that fails after the rename (the fsync of save_dir), 'latest' is
     put back: a failed save never leaves 'latest' naming its checkpoint."""
-    previous = read_latest(save_dir)
+    previous = latest_text(save_dir)
     try:
         write_file_atomically(save_dir / LATEST_NAME, tag.encode())
     except BaseException:
-        if read_latest(save_dir) == tag:
+        if latest_text(save_dir) == tag:
             _put_back_latest(save_dir, previous)
         raise
 
@@ -136,7 +136,7 @@ def apply_retention(save_dir: Path, keep_last: int | None, protect: str) -> list
     if keep_last is None:
         return []
     tags = committed_tags(save_dir)
-    keep = {protect, read_latest(save_dir)}
+    keep = {protect, latest_text(save_dir)}
     doomed = [t for t in tags[:-keep_last] if t not in keep]
     for tag in doomed:
         # Renamed first: a crash mid-delete leaves a trash folder, cleaned at start, not a damaged tag.

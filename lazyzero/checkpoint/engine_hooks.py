@@ -11,15 +11,34 @@ import torch
 from deepspeed import comm as dist
 from deepspeed.utils import logger
 
-from lazyzero.checkpoint.folder_layout import MANIFEST_NAME, read_latest
+from lazyzero.checkpoint.folder_layout import MANIFEST_NAME, check_tag, read_latest
 from lazyzero.checkpoint.lazy_engine import LazyCheckpointEngine
-from lazyzero.checkpoint.manifest import resolve_tag_to_load, verify_checkpoint
+from lazyzero.checkpoint.manifest import CheckpointDamagedError, resolve_tag_to_load, verify_checkpoint
 from lazyzero.checkpoint.rank_state import load_rank_state, rank_state_document, rank_state_path
+from lazyzero.checkpoint.verified_read import VerifiedFiles
+from lazyzero.patch_point import PatchRefused, replace_method
 
 
-def lazy_checkpoint_engine(engine) -> LazyCheckpointEngine:
+def lazy_checkpoint_engine(engine, verified: VerifiedFiles) -> LazyCheckpointEngine:
     return LazyCheckpointEngine(engine.lazyzero_config.checkpoint, rank=dist.get_rank(),
-                                world_size=dist.get_world_size(), on_cuda=engine.device.type == "cuda")
+                                world_size=dist.get_world_size(), on_cuda=engine.device.type == "cuda",
+                                verified=verified)
+
+
+def route_deepspeed_loads(engine, verified: VerifiedFiles) -> None:
+    """DeepSpeed's own checkpoint engine (lazy checkpoints off) loads through `verified`: no code runs,
+    and a verified tag's files load from the bytes that were hashed."""
+    checkpoint_engine = engine.checkpoint_engine
+    allow_pickle = engine.lazyzero_config.checkpoint.allow_pickle
+
+    def load(path, map_location=None):
+        return verified.load(path, map_location, allow_pickle)
+
+    try:
+        replace_method(checkpoint_engine, "load", load, owner="checkpoint")
+    except PatchRefused:
+        logger.warning(f"lazyzero: {type(checkpoint_engine).__name__} loads checkpoint files itself: they are "
+                       "verified against their manifest first, but loaded as DeepSpeed loads them")
 
 
 @contextlib.contextmanager
@@ -64,8 +83,10 @@ def snapshot_nvme_optimizer_files(engine, save_dir: str, tag: str) -> None:
             f"offloaded_tensors/rank{dp_index_to_str(rank)}/{relative.as_posix()}", str(source))
 
 
-def prepare_load(engine, lazy: bool, load_dir: str, tag: str | None) -> str | None:
-    """The tag to load, after cleaning leftovers and verifying it (CheckpointDamagedError if damaged)."""
+def prepare_load(engine, lazy: bool, load_dir: str, tag: str | None, verified: VerifiedFiles) -> str | None:
+    """The tag to load, after cleaning leftovers and verifying it (CheckpointDamagedError if damaged,
+    UnsafeCheckpointPath if the tag or 'latest' leads outside `load_dir`); `verified` then holds the
+    hashes its files must load with."""
     if lazy:
         engine.checkpoint_engine.clean_leftovers(load_dir, barrier=dist.barrier)
         if tag is None:
@@ -78,10 +99,17 @@ def prepare_load(engine, lazy: bool, load_dir: str, tag: str | None) -> str | No
         tag = read_latest(load_dir)
         if tag is None:
             return None  # no 'latest': nothing to load, as with DeepSpeed
-    tag_dir = Path(load_dir) / str(tag)
-    if engine.lazyzero_config.checkpoint.verify_on_load and (tag_dir / MANIFEST_NAME).exists():
-        verify_checkpoint(tag_dir)
-    return str(tag)
+    tag = check_tag(str(tag))
+    tag_dir = Path(load_dir) / tag
+    settings = engine.lazyzero_config.checkpoint
+    has_manifest = (tag_dir / MANIFEST_NAME).exists()
+    if lazy and tag_dir.is_dir() and not has_manifest and not settings.allow_unverified:
+        raise CheckpointDamagedError(
+            f"{tag_dir}: no {MANIFEST_NAME}, so nothing can verify its files (a plain DeepSpeed checkpoint, or one "
+            "lazyzero never committed). To load it anyway, set lazyzero.checkpoint.allow_unverified: true")
+    if has_manifest and settings.verify_on_load:
+        verified.expect(tag_dir, verify_checkpoint(tag_dir))
+    return tag
 
 
 def restore_rank_state(engine, tag_dir: str) -> None:

@@ -10,22 +10,33 @@ import os
 from contextlib import nullcontext
 
 from lazyzero.checkpoint import engine_hooks
+from lazyzero.checkpoint.folder_layout import check_tag
 from lazyzero.checkpoint.nvme_restore import replay_cpu_adam_after_load, restore_nvme_offloaded_state
+from lazyzero.checkpoint.verified_read import VerifiedFiles
 
 
 class CheckpointFeature:
     def __init__(self, lazyzero_config, **_):
         self.config = lazyzero_config
         self.inside_lazy_save = False
+        self.verified = VerifiedFiles()
 
     @property
     def lazy(self) -> bool:
         return self.config.checkpoint.enabled
 
     def checkpoint_engine(self, engine):
-        return engine_hooks.lazy_checkpoint_engine(engine) if self.lazy else None
+        return engine_hooks.lazy_checkpoint_engine(engine, self.verified) if self.lazy else None
+
+    def attach(self, engine) -> None:
+        if not self.lazy:
+            engine_hooks.route_deepspeed_loads(engine, self.verified)
 
     # --- saving ----------------------------------------------------------------------------------
+
+    def check_save_tag(self, engine, tag) -> None:
+        # A tag is one folder directly under save_dir, lazy or not (docs/reliability.md, guarantee 2).
+        check_tag(str(tag))
 
     def around_save(self, engine, save_dir, save_latest):
         return engine_hooks.lazy_save(engine, self, save_dir, save_latest) if self.lazy else nullcontext()
@@ -62,7 +73,10 @@ class CheckpointFeature:
             engine.checkpoint_engine.before_optimizer_step()
 
     def resolve_load_tag(self, engine, load_dir, tag):
-        return engine_hooks.prepare_load(engine, self.lazy, load_dir, tag)
+        return engine_hooks.prepare_load(engine, self.lazy, load_dir, tag, self.verified)
+
+    def end_load(self, engine, request) -> None:
+        self.verified.clear()
 
     def after_load(self, engine, request) -> None:
         if request.load_path is None or not request.load_optimizer_states or request.load_module_only:

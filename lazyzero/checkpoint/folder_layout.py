@@ -33,14 +33,53 @@ def leftover_dirs(save_dir: str | os.PathLike) -> list[Path]:
     return sorted(p for p in root.iterdir() if p.is_dir() and p.name.startswith((TEMP_PREFIX, TRASH_PREFIX)))
 
 
+class UnsafeCheckpointPath(ValueError):
+    """A tag, a 'latest' file or a manifest entry that would lead outside its checkpoint folder."""
+
+
 def read_latest(save_dir: str | os.PathLike) -> str | None:
+    """The tag 'latest' names, or None without one. A 'latest' naming anything but a folder directly
+    under save_dir ('../x', an absolute path) is refused (docs/reliability.md, guarantee 2)."""
+    tag = latest_text(save_dir)
+    if tag is None:
+        return None
+    try:
+        return check_tag(tag)
+    except ValueError as err:
+        raise UnsafeCheckpointPath(f"{Path(save_dir) / LATEST_NAME}: {err}") from None
+
+
+def latest_text(save_dir: str | os.PathLike) -> str | None:
+    """What the 'latest' file says, unchecked: only to put it back as it was."""
     path = Path(save_dir) / LATEST_NAME
     return path.read_text().strip() if path.is_file() else None
 
 
 def check_tag(tag: str) -> str:
     """A tag names one folder directly under save_dir: no separators, not hidden, not '.' or '..'."""
-    if not tag or "/" in tag or os.sep in tag or tag.startswith(".") or tag == LATEST_NAME:
-        raise ValueError(f"checkpoint tag {tag!r}: must be a plain folder name, not starting with '.', "
-                         f"not {LATEST_NAME!r}")
+    if not tag or "/" in tag or os.sep in tag or "\\" in tag or tag.startswith(".") or tag == LATEST_NAME:
+        raise UnsafeCheckpointPath(f"checkpoint tag {tag!r}: must be a plain folder name, not starting with '.', "
+                                   f"not {LATEST_NAME!r}")
     return tag
+
+
+def check_relative_path(relpath: str) -> str:
+    """A file listed in a manifest: a relative path inside its tag folder, in '/' form, with no '..',
+    '.' or empty part (so that nothing outside the folder is read, hashed, linked or copied)."""
+    parts = relpath.split("/") if isinstance(relpath, str) else [""]
+    if relpath.startswith("/") or "\\" in relpath or any(part in ("", ".", "..") for part in parts):
+        raise UnsafeCheckpointPath(f"file {relpath!r}: must be a relative path inside the checkpoint folder "
+                                   f"('/'-separated, without '..', '.' or empty parts)")
+    return relpath
+
+
+def stays_inside(root: Path, path: Path) -> bool:
+    """Whether `path` is a plain file or folder under `root` with no symbolic link on the way."""
+    current = path
+    while current != root:
+        if current.is_symlink():
+            return False
+        if current.parent == current:
+            return False
+        current = current.parent
+    return True

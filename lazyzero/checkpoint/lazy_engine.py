@@ -50,7 +50,7 @@ from lazyzero.checkpoint.snapshot import (
     start_device_copies,
 )
 from lazyzero.checkpoint.staged_io import StagingBlocks
-from lazyzero.safe_load import load_checkpoint_file
+from lazyzero.checkpoint.verified_read import VerifiedFiles
 
 
 class CheckpointFailedError(RuntimeError):
@@ -83,8 +83,9 @@ class PendingCheckpoint:
 class LazyCheckpointEngine(CheckpointEngine):
     """One per engine (rank). `config` is the validated `lazyzero.checkpoint` section."""
 
-    def __init__(self, config, rank: int, world_size: int, on_cuda: bool):
+    def __init__(self, config, rank: int, world_size: int, on_cuda: bool, verified: VerifiedFiles | None = None):
         super().__init__(None)
+        self.verified = verified if verified is not None else VerifiedFiles()
         self.name = "LazyCheckpointEngine"
         self.config = config
         self.rank, self.world_size, self.on_cuda = rank, world_size, on_cuda
@@ -218,7 +219,7 @@ class LazyCheckpointEngine(CheckpointEngine):
         return True
 
     def load(self, path: str, map_location=None):
-        return load_checkpoint_file(path, map_location, self.config.allow_pickle)
+        return self.verified.load(path, map_location, self.config.allow_pickle)
 
     def is_decoupled(self):
         # DeepSpeed's decoupled path writes 'latest' itself, in place; the commit here does it by rename.

@@ -15,7 +15,14 @@ from pathlib import Path
 from typing import Callable
 
 from lazyzero.checkpoint.durable_io import HASH_NAME, hash_file, new_hash, write_file_atomically
-from lazyzero.checkpoint.folder_layout import MANIFEST_NAME, leftover_dirs, read_latest
+from lazyzero.checkpoint.folder_layout import (
+    MANIFEST_NAME,
+    UnsafeCheckpointPath,
+    check_relative_path,
+    leftover_dirs,
+    read_latest,
+    stays_inside,
+)
 
 MANIFEST_FORMAT = 1
 
@@ -70,7 +77,13 @@ def read_manifest(tag_dir: str | os.PathLike) -> Manifest:
     if body.get("format") != MANIFEST_FORMAT or body.get("hash") != HASH_NAME:
         raise CheckpointDamagedError(f"{path}: format {body.get('format')} with hash {body.get('hash')}; "
                                      f"this lazyzero reads format {MANIFEST_FORMAT} with {HASH_NAME}")
-    return Manifest(**{k: body[k] for k in ("tag", "world_size", "global_steps", "files", "created_unix")})
+    manifest = Manifest(**{k: body[k] for k in ("tag", "world_size", "global_steps", "files", "created_unix")})
+    for relpath in manifest.files:
+        try:
+            check_relative_path(relpath)
+        except UnsafeCheckpointPath as err:
+            raise UnsafeCheckpointPath(f"{path}: refused: {err}") from None
+    return manifest
 
 
 def find_problems(tag_dir: str | os.PathLike, manifest: Manifest, check_hashes: bool = True,
@@ -80,7 +93,10 @@ def find_problems(tag_dir: str | os.PathLike, manifest: Manifest, check_hashes: 
     root = Path(tag_dir)
     problems = []
     for relpath, entry in sorted(manifest.files.items()):
-        path = root / relpath
+        path = root / check_relative_path(relpath)
+        if not stays_inside(root, path):
+            problems.append(f"{path}: a symbolic link on the way; expected a plain file inside {root}")
+            continue
         if not path.is_file():
             problems.append(f"{path}: missing; expected {entry['size']} bytes")
             continue
@@ -92,8 +108,13 @@ def find_problems(tag_dir: str | os.PathLike, manifest: Manifest, check_hashes: 
             _, digest = hash_file(path, on_bytes=on_bytes)
             if digest != entry["hash"]:
                 problems.append(f"{path}: expected {HASH_NAME} {entry['hash']}, found {digest} (contents changed)")
-    for path in sorted(p for p in root.rglob("*") if p.is_file()):
+    for path in sorted(p for p in root.rglob("*") if p.is_symlink() or p.is_file()):
         relpath = path.relative_to(root).as_posix()
+        if path.is_symlink():
+            if relpath not in manifest.files:
+                problems.append(f"{path}: a symbolic link (to {os.readlink(path)}); "
+                                "a checkpoint holds plain files only")
+            continue
         if relpath != MANIFEST_NAME and relpath not in manifest.files:
             problems.append(f"{path}: not in the manifest (foreign file); "
                             f"expected only the {len(manifest.files)} files it lists")
@@ -126,7 +147,7 @@ def list_checkpoints(save_dir: str | os.PathLike) -> list[CheckpointEntry]:
     for path in sorted(p for p in root.iterdir() if p.is_dir() and p.name not in skip and not p.name.startswith(".")):
         try:
             entries.append(CheckpointEntry(path.name, path, read_manifest(path)))
-        except CheckpointDamagedError as err:
+        except (CheckpointDamagedError, UnsafeCheckpointPath) as err:
             entries.append(CheckpointEntry(path.name, path, None, str(err)))
     return sorted(entries, key=lambda e: (e.manifest is None, e.manifest.created_unix if e.manifest else 0, e.tag))
 

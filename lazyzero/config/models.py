@@ -155,8 +155,8 @@ class ActivationsConfig(ConfigSection):
     `keep_outliers`)."""
 
     keep_outliers: bool = True
-    """Store each block's largest-magnitude element exactly (its fp32 value and a one-byte index: 5 bytes per block)
-    and scale the block by the rest, so that one value thousands of times larger than its neighbours, as pretrained
+    """Store each block's largest-magnitude element exactly (its value in the tensor's dtype and a one-byte index: 3
+    bytes per block in bf16) and scale the block by the rest, so that one value thousands of times larger than its neighbours, as pretrained
     LLMs' residual streams carry, costs the others no precision."""
 
     fused_loss: bool = True
@@ -278,6 +278,10 @@ class CheckpointConfig(ConfigSection):
 
     verify_on_load: bool = True
     """Check every file's size and hash against the manifest before loading (docs/reliability.md, guarantee 2)."""
+
+    allow_unverified: bool = False
+    """With lazy checkpoints: load a tag that has no manifest (a plain DeepSpeed checkpoint, or a folder lazyzero
+    never committed), whose files nothing can verify. Off, such a tag is refused with an error naming it."""
 
     allow_pickle: bool = False
     """Load checkpoint files that hold types other than tensors, containers, numbers and DeepSpeed's few

@@ -20,7 +20,8 @@ training
   `before_model_step(engine)`, `after_optimizer_step(engine)`
 - `reconfigure(engine, section, settings)`          a new plan for `section` (its config dict, or None)
 checkpoints
-- `around_save(engine, save_dir, save_latest) -> context manager`, `writes_latest_itself(engine) -> bool`,
+- `check_save_tag(engine, tag)` (a tag given to save_checkpoint),
+  `around_save(engine, save_dir, save_latest) -> context manager`, `writes_latest_itself(engine) -> bool`,
   `after_zero_checkpoint_saved(engine, save_path, tag)`, `hides_optimizer_swap_folder(engine) -> bool`
 - `resolve_load_tag(engine, load_dir, tag) -> str | None` (the first feature that has it answers),
   `before_load(engine, request)`, `plan_load(engine, request)`, `load_zero_checkpoint(engine, request) -> bool`,

@@ -1,13 +1,14 @@
 """lazyzero: memory planning, quantization, 8-bit optimizers and lazy checkpoints for DeepSpeed ZeRO.
 
-Importing lazyzero never compiles anything and never imports DeepSpeed: `initialize` imports the
-engine when it is called, and `LazyZeroEngine` is resolved on first use, so that `lazyzero config
-check` stays fast (docs/architecture.md).
+Importing lazyzero never compiles anything and never imports DeepSpeed: `initialize` and
+`patch_deepspeed` import the engine when they are called, and `LazyZeroEngine` is resolved on first
+use, so that `lazyzero config check` stays fast (docs/architecture.md).
 """
 
 __version__ = "0.1.0"
 
-__all__ = ["initialize", "LazyZeroEngine", "LazyZeroConfig", "LazyZeroConfigError", "__version__"]
+__all__ = ["initialize", "patch_deepspeed", "unpatch_deepspeed", "LazyZeroEngine", "LazyZeroConfig",
+           "LazyZeroConfigError", "__version__"]
 
 
 def initialize(args=None, model=None, optimizer=None, model_parameters=None, training_data=None, lr_scheduler=None,
@@ -26,6 +27,23 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
                  training_data=training_data, lr_scheduler=lr_scheduler, distributed_port=distributed_port, mpu=mpu,
                  dist_init_required=dist_init_required, collate_fn=collate_fn, config=config, mesh_param=mesh_param,
                  config_params=config_params)
+
+
+def patch_deepspeed():
+    """After this call `deepspeed.initialize`, wherever it is called from (the Hugging Face Trainer,
+    Accelerate, Lightning, your own code), returns a `LazyZeroEngine` for a config with a "lazyzero"
+    section, validated as `initialize` validates it; a config without one gets plain DeepSpeed.
+    Calling it again does nothing; `unpatch_deepspeed()` undoes it."""
+    from lazyzero.engine.deepspeed_route import patch_deepspeed as route
+
+    route()
+
+
+def unpatch_deepspeed():
+    """Give `deepspeed.initialize` back DeepSpeed's own function; returns whether it was patched."""
+    from lazyzero.engine.deepspeed_route import unpatch_deepspeed as unroute
+
+    return unroute()
 
 
 def __getattr__(name):

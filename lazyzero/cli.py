@@ -11,7 +11,13 @@ import sys
 
 
 def _config_check(args: argparse.Namespace) -> int:
-    from lazyzero.config import LazyZeroConfigError, check_config_file, format_config_summary
+    from lazyzero.config import (
+        LazyZeroConfigError,
+        check_config_file,
+        format_config_summary,
+        load_ds_config_file,
+        trainer_filled_keys,
+    )
 
     status = 0
     for path in args.files:
@@ -22,6 +28,10 @@ def _config_check(args: argparse.Namespace) -> int:
             status = 2
             continue
         print(f"{path}: OK\n{format_config_summary(cfg)}")
+        unchecked = trainer_filled_keys(load_ds_config_file(path))
+        if unchecked:
+            print(f"not checked, \"auto\" (the Hugging Face Trainer or Accelerate fills them in before "
+                  f"deepspeed.initialize): {', '.join(unchecked)}")
     return status
 
 

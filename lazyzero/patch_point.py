@@ -18,10 +18,14 @@ Kinds:
   still runs inside the wrapper, so no override is hidden.
 - SWAP: a module or class attribute swapped for the duration of a block (while DeepSpeed builds).
 - EXTEND: an item appended to a module-level list of DeepSpeed's, once.
+- ROUTE: a public module function of DeepSpeed's routed to lazyzero's until undone; the new function
+  takes exactly the original's parameters, since every caller (user code, Accelerate, the Hugging
+  Face Trainer) calls it as DeepSpeed's, and it keeps the original reachable (`__wrapped__`).
 """
 
 from __future__ import annotations
 
+import functools
 import inspect
 import weakref
 from collections.abc import Callable, Iterator
@@ -30,7 +34,7 @@ from dataclasses import dataclass
 
 import deepspeed
 
-REPLACE, WRAP, SWAP, EXTEND = "replace", "wrap", "swap", "extend"
+REPLACE, WRAP, SWAP, EXTEND, ROUTE = "replace", "wrap", "swap", "extend", "route"
 
 _STAGE3 = "deepspeed.runtime.zero.stage3:DeepSpeedZeroOptimizer_Stage3"
 _STAGE12 = "deepspeed.runtime.zero.stage_1_and_2:DeepSpeedZeroOptimizer"
@@ -105,8 +109,21 @@ PATCH_POINTS: tuple[PatchPoint, ...] = (
     PatchPoint("deepspeed.runtime.zero.partition_parameters:Init._partition_param", SWAP,
                ("param", "buffer", "has_been_updated", "free_data"),
                "only the placed parameters' partitions go to NVMe at conversion (plan/zero_placement.py)"),
+    # Checkpoint files read without running code, from the bytes whose hash was checked, when lazy
+    # checkpoints are off and DeepSpeed's own engine loads (checkpoint/verified_read.py).
+    *(PatchPoint(f"deepspeed.runtime.checkpoint_engine.{module}:{cls}.load", REPLACE, ("path", "map_location"),
+                 "checkpoint files loaded with weights_only and checked against the manifest (checkpoint/feature.py)")
+      for module, cls in (("torch_checkpoint_engine", "TorchCheckpointEngine"),
+                          ("decoupled_checkpoint_engine", "DecoupledCheckpointEngine"),
+                          ("fast_checkpoint_engine", "FastCheckpointEngine"))),
     PatchPoint("deepspeed.runtime.zero.utils:ZERO_SUPPORTED_OPTIMIZERS", EXTEND, None,
                "ZeRO accepts the 8-bit optimizers without zero_allow_untested_optimizer (optimizer/engine_setup.py)"),
+    # `lazyzero.patch_deepspeed()` (engine/deepspeed_route.py): trainers that call deepspeed.initialize
+    # themselves (Accelerate, the Hugging Face Trainer) build a LazyZeroEngine from a "lazyzero" section.
+    PatchPoint("deepspeed:initialize", ROUTE,
+               ("args", "model", "optimizer", "model_parameters", "training_data", "lr_scheduler", "distributed_port",
+                "mpu", "dist_init_required", "collate_fn", "config", "mesh_param", "config_params"),
+               "a config with a \"lazyzero\" section builds a LazyZeroEngine; any other goes to DeepSpeed's own"),
 )
 
 _BY_TARGET = {point.target: point for point in PATCH_POINTS}
@@ -199,6 +216,51 @@ def extend_list(module, name: str, item, *, owner: str) -> None:
     if item not in items:
         items.append(item)
         _record(point, module, owner)
+
+
+def route_function(module, name: str, new: Callable, *, owner: str) -> None:
+    """Make `module.name` (a public function of DeepSpeed's) call `new`, which takes the original's
+    parameters, until `unroute_function`. Routing again to the same `new` does nothing; routing to
+    another function, or by another owner, is refused."""
+    point = _declared(_target_of(module, name), ROUTE, f"{owner} routes {name}")
+    current = getattr(module, name)
+    route = getattr(current, "__lazyzero_route__", None)
+    if route is not None:
+        if route == (owner, new):
+            return
+        raise PatchRefused(f"{owner} routes {point.target}, already routed by {route[0]}: undo that first")
+    if original_parameters(current) != point.parameters:
+        raise PatchRefused(f"{point.target} takes {original_parameters(current)} in DeepSpeed {deepspeed.__version__}; "
+                           f"lazyzero expects {point.parameters}: install a DeepSpeed version lazyzero supports")
+    _check_parameters(point, new)
+
+    # functools.wraps keeps DeepSpeed's name, docstring and signature on what callers see, and the
+    # original reachable through __wrapped__ (the internals check reads its parameters there).
+    @functools.wraps(current)
+    def routed(*args, **kwargs):
+        return new(*args, **kwargs)
+
+    routed.__lazyzero_route__ = (owner, new)
+    setattr(module, name, routed)
+    _record(point, module, owner)
+
+
+def unroute_function(module, name: str, *, owner: str) -> bool:
+    """Give `module.name` back its original if `owner` routed it; whether anything was undone."""
+    current = getattr(module, name)
+    route = getattr(current, "__lazyzero_route__", None)
+    if route is None:
+        return False
+    if route[0] != owner:
+        raise PatchRefused(f"{owner} undoes the routing of {name}, which {route[0]} made")
+    setattr(module, name, current.__wrapped__)
+    return True
+
+
+def routed_to(module, name: str) -> Callable | None:
+    """The function `module.name` is routed to, or None."""
+    route = getattr(getattr(module, name), "__lazyzero_route__", None)
+    return route[1] if route is not None else None
 
 
 # ------------------------------------------------------------------------------- the checks

@@ -17,6 +17,7 @@ from lazyzero.config.models import (
     PlanConfig,
 )
 from lazyzero.config.reference import config_reference_markdown, format_config_summary
+from lazyzero.config.trainer_values import trainer_filled_keys
 from lazyzero.config.validate import check_config_file, load_ds_config_file, validate_ds_config
 
 __all__ = [
@@ -32,5 +33,6 @@ __all__ = [
     "format_config_summary",
     "load_ds_config_file",
     "parse_memory_size",
+    "trainer_filled_keys",
     "validate_ds_config",
 ]

@@ -13,12 +13,15 @@ import copy
 from typing import Optional
 
 from lazyzero.config.errors import Problem
+from lazyzero.config.trainer_values import without_trainer_filled
 
 _PYDANTIC_LINK_PREFIX = "For further information visit"
 
 
 def deepspeed_parse_problems(ds_config: dict, world_size: Optional[int], source: Optional[str]) -> list[Problem]:
-    """What DeepSpeed's own config parser rejects, as one problem naming the file (or "DeepSpeed config")."""
+    """What DeepSpeed's own config parser rejects, as one problem naming the file (or "DeepSpeed config").
+    Keys a trainer fills in ("auto") are left out of the parse (trainer_values.py)."""
+    ds_config = without_trainer_filled(ds_config)
     if world_size is not None and world_size > 1 and type(ds_config.get("train_batch_size")) is int:
         batch = ds_config["train_batch_size"]
         if batch % world_size:

@@ -13,6 +13,7 @@ from deepspeed.utils.logging import print_dist
 
 from lazyzero.config import LazyZeroConfig
 from lazyzero.engine.features import FeatureSet, LoadRequest
+from lazyzero.engine.monitor_metrics import write_step_metrics
 
 
 class LazyZeroEngine(DeepSpeedEngine):
@@ -23,6 +24,7 @@ class LazyZeroEngine(DeepSpeedEngine):
         # inside it and call the features.
         self.lazyzero_config = lazyzero_config
         self.lazyzero_features = features if features is not None else FeatureSet(lazyzero_config)
+        self._lazyzero_metrics_of_step: tuple[int | None, dict] = (None, {})
         self.lazyzero_features.call("check_engine_arguments", kwargs.get("optimizer"), kwargs.get("config_class"))
         super().__init__(*args, **kwargs)
         self.lazyzero_features.call("attach", self)
@@ -33,8 +35,14 @@ class LazyZeroEngine(DeepSpeedEngine):
 
     def lazyzero_step_metrics(self) -> dict:
         """Per-step figures that lazyzero features add to the training log (none while all are off);
-        each feature's `step_metrics` documents its keys."""
-        return self.lazyzero_features.merged("step_metrics", self)
+        each feature's `step_metrics` documents its keys. Taken once per optimizer step (some features
+        count since their last call): on the first call after the step, or right after it when the
+        config enables a DeepSpeed monitor, which then receives them (monitor_metrics.py)."""
+        taken_at, metrics = self._lazyzero_metrics_of_step
+        if taken_at != self.global_steps:
+            metrics = self.lazyzero_features.merged("step_metrics", self)
+            self._lazyzero_metrics_of_step = (self.global_steps, metrics)
+        return metrics
 
     def lazyzero_report(self) -> dict:
         """What lazyzero features add to the run report (e.g. saved-activation bytes per layer, the
@@ -86,6 +94,8 @@ class LazyZeroEngine(DeepSpeedEngine):
         result = super().step(lr_kwargs)
         if self.global_steps != steps_before:
             self.lazyzero_features.call("after_optimizer_step", self)
+            if self.monitor.enabled and self.lazyzero_config.enabled_features():
+                write_step_metrics(self, self.lazyzero_step_metrics())
         return result
 
     # --- checkpoints ------------------------------------------------------------------------------
@@ -94,6 +104,8 @@ class LazyZeroEngine(DeepSpeedEngine):
         """DeepSpeed's save (same arguments), plus this rank's lazyzero state. With lazy checkpoints it
         returns once the snapshot is queued; the files are committed in the background."""
         features = self.lazyzero_features
+        if tag is not None:
+            features.call("check_save_tag", self, tag)
         deepspeed_writes_latest = save_latest and not features.any("writes_latest_itself", self)
         with features.around("around_save", self, save_dir, save_latest):
             return super().save_checkpoint(save_dir, tag=tag, client_state=client_state or {},

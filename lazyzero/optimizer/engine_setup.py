@@ -30,8 +30,12 @@ def check_optimizer_source(lazyzero_config, client_optimizer, config_class) -> N
         return
     if client_optimizer is not None:
         raise ValueError(
-            "lazyzero.optimizer.enabled is true, but an optimizer was passed to lazyzero.initialize: the 8-bit "
-            "optimizer is built from the config's \"optimizer\" section instead; pass optimizer=None, or set "
+            f"lazyzero.optimizer.enabled is true, but an optimizer object ({type(client_optimizer).__name__}) "
+            "came from code: the 8-bit optimizer is built from the DeepSpeed config's \"optimizer\" section "
+            "(type AdamW or Adam, its params the hyper-parameters) instead. To get it: give the config that "
+            "section and no optimizer from code (lazyzero.initialize / deepspeed.initialize: optimizer=None; "
+            "Hugging Face Trainer: no `optimizers=` argument, it then defers to the section; Accelerate: "
+            "prepare `accelerate.utils.DummyOptim(params)` instead of a torch optimizer). Or set "
             "lazyzero.optimizer.enabled to false to keep yours")
     name = getattr(config_class, "optimizer_name", None)
     if name is None or name.lower() not in ADAM_FAMILY:

@@ -37,6 +37,27 @@ def test_config_check_names_a_file_that_is_not_json(tmp_path):
     assert proc.returncode == 2 and "broken.json" in proc.stderr
 
 
+def test_config_check_names_the_keys_a_trainer_fills_in_instead_of_failing_on_them():
+    proc = _lazyzero("config", "check", str(ROOT / "ds_configs" / "cpu_hf_trainer.json"))
+    assert proc.returncode == 0, proc.stderr
+    assert "OK" in proc.stdout and "features on: gradients, optimizer, checkpoint" in proc.stdout
+    assert ("not checked, \"auto\" (the Hugging Face Trainer or Accelerate fills them in before "
+            "deepspeed.initialize): train_batch_size, train_micro_batch_size_per_gpu, gradient_accumulation_steps, "
+            "gradient_clipping, optimizer.params.lr, optimizer.params.weight_decay") in proc.stdout
+
+
+def test_config_check_still_runs_deepspeeds_parse_on_the_keys_it_can_check(tmp_path):
+    config = tmp_path / "auto.json"
+    config.write_text(json.dumps({"train_batch_size": "auto", "bf16": {"enabled": "auto"},
+                                  "zero_optimization": {"stage": 2, "reduce_bucket_size": "auto", "bogus": 1},
+                                  "lazyzero": {"optimizer": {"enabled": "auto"}}}))
+    proc = _lazyzero("config", "check", str(config))
+    assert proc.returncode == 2
+    # "auto" inside the "lazyzero" section is not a trainer's: it stays an error.
+    assert "lazyzero.optimizer.enabled: got 'auto'" in proc.stderr
+    assert "DeepSpeed's own parse failed" in proc.stderr and "bogus" in proc.stderr
+
+
 def test_ops_status_names_both_backends():
     proc = _lazyzero("ops", "status")
     assert proc.returncode == 0, proc.stderr

@@ -59,6 +59,23 @@ def test_deepspeed_launcher_run_logs_reports_saves_and_resumes_exactly(tmp_path)
 
 
 @pytest.mark.multiproc
+def test_a_deepspeed_monitor_in_the_config_gets_the_lazyzero_metrics_and_the_run_keeps_its_own_logs(tmp_path):
+    config = json.loads((ROOT / "ds_configs" / "cpu_demo_int8.json").read_text())
+    config["csv_monitor"] = {"enabled": True, "output_path": str(tmp_path / "csv"), "job_name": "run"}
+    (tmp_path / "ds_config.json").write_text(json.dumps(config))
+    argv = [arg if arg != str(CONFIG) else str(tmp_path / "ds_config.json")
+            for arg in _train_argv(tmp_path / "out", "--max-steps", "5", "--eval-problems", "0")]
+    proc = _deepspeed(argv)
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    records = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5] and all(r["grad_wire_bytes"] > 0 for r in records)
+    assert (tmp_path / "out" / "report.png").stat().st_size > 10_000
+    for key in ("grad_wire_bytes", "grad_fp32_wire_bytes", "grad_exchange_s", "grad_overflow"):
+        rows = (tmp_path / "csv" / "run" / f"lazyzero_{key}.csv").read_text().splitlines()
+        assert rows[0] == f"step,{key}" and [row.split(",")[0] for row in rows[1:]] == ["1", "2", "3", "4", "5"]
+
+
+@pytest.mark.multiproc
 def test_mpirun_with_a_hostfile_runs_the_entry_point(tmp_path):
     hostfile = tmp_path / "hostfile"
     hostfile.write_text("localhost slots=2\n")

@@ -20,6 +20,7 @@ from lazyzero.patch_point import (
     EXTEND,
     PATCH_POINTS,
     REPLACE,
+    ROUTE,
     SWAP,
     WRAP,
     PatchRefused,
@@ -36,7 +37,8 @@ from lazyzero.plan.zero_placement import TieredZeroOptimizer_Stage3
 
 PACKAGE = Path(__file__).resolve().parents[2] / "lazyzero"
 DOOR = PACKAGE / "patch_point.py"
-DOORS = {"replace_method": REPLACE, "wrap_method": WRAP, "swapped": SWAP, "extend_list": EXTEND}
+DOORS = {"replace_method": REPLACE, "wrap_method": WRAP, "swapped": SWAP, "extend_list": EXTEND,
+         "route_function": ROUTE}
 # Assignments the checker below cannot tell from DeepSpeed's: (file, attribute) -> whose object it is.
 NOT_DEEPSPEED = {("lazyzero/activations/rewrites.py", "forward"): "the user's model modules' forward",
                  ("lazyzero/activations/loss_head.py", "forward"): "the user's causal LM's and its head's forward"}

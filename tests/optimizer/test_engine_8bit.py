@@ -55,7 +55,8 @@ def test_reported_norm_matches_fp64_reference_on_every_stage(default_run):
 
 def test_misuse_is_refused_with_a_message_naming_the_setting(default_run):
     errors = default_run[1][0]["norm"]["setup_errors"]
-    assert "an optimizer was passed to lazyzero.initialize" in errors["client_optimizer"]
+    assert "an optimizer object (SGD) came from code" in errors["client_optimizer"]
+    assert "accelerate.utils.DummyOptim" in errors["client_optimizer"]
     assert "needs an \"optimizer\" section of type Adam or AdamW" in errors["no_optimizer_section"]
 
 

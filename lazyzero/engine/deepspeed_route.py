@@ -1,0 +1,82 @@
+"""`lazyzero.patch_deepspeed()`: `deepspeed.initialize`, wherever it is called from, builds a
+`LazyZeroEngine` when its config has a "lazyzero" section.
+
+The Hugging Face Trainer (through Accelerate), Accelerate scripts and Lightning call
+`deepspeed.initialize` themselves, from the user's DeepSpeed JSON, after filling in its "auto"
+values; they look the function up on the module at each call, so routing the module attribute
+reaches all of them (docs/deepspeed-internals.md, "Where lazyzero changes DeepSpeed"). A config
+without the section goes to DeepSpeed's own function untouched, so such runs are plain DeepSpeed.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+OWNER = "lazyzero.patch_deepspeed"
+SECTION = "lazyzero"
+
+
+def patch_deepspeed() -> None:
+    """Route `deepspeed.initialize` to `initialize_from_any_caller`. Calling it again does nothing."""
+    import deepspeed
+
+    from lazyzero.patch_point import route_function
+
+    route_function(deepspeed, "initialize", initialize_from_any_caller, owner=OWNER)
+
+
+def unpatch_deepspeed() -> bool:
+    """Give `deepspeed.initialize` back DeepSpeed's own function; whether it was routed."""
+    import deepspeed
+
+    from lazyzero.patch_point import unroute_function
+
+    return unroute_function(deepspeed, "initialize", owner=OWNER)
+
+
+def initialize_from_any_caller(args=None, model=None, optimizer=None, model_parameters=None, training_data=None,
+                               lr_scheduler=None, distributed_port=None, mpu=None, dist_init_required=None,
+                               collate_fn=None, config=None, mesh_param=None, config_params=None):
+    """`deepspeed.initialize` once patched: `lazyzero.initialize` for a config with a "lazyzero"
+    section (validated as there), DeepSpeed's own function, with the caller's arguments as given,
+    for any other config."""
+    import deepspeed
+
+    arguments = dict(args=args, model=model, optimizer=optimizer, model_parameters=model_parameters,
+                     training_data=training_data, lr_scheduler=lr_scheduler, distributed_port=distributed_port,
+                     mpu=mpu, dist_init_required=dist_init_required, collate_fn=collate_fn, config=config,
+                     mesh_param=mesh_param, config_params=config_params)
+    given = config if config is not None else config_params
+    ds_config = _readable_config(args, given)
+    if not has_lazyzero_section(ds_config):
+        # DeepSpeed's own function, also when called through a reference kept from before an unpatch.
+        original = getattr(deepspeed.initialize, "__wrapped__", deepspeed.initialize)
+        if distributed_port is None:
+            del arguments["distributed_port"]  # DeepSpeed's own default
+        return original(**arguments)
+    from lazyzero.engine.initialize import initialize
+
+    if isinstance(given, str) and not os.path.isfile(given):
+        # Base64 JSON, which DeepSpeed accepts and lazyzero.initialize does not: hand over what it decoded.
+        arguments.update(config=ds_config, config_params=None)
+    return initialize(**arguments)
+
+
+def has_lazyzero_section(ds_config: Any) -> bool:
+    return isinstance(ds_config, dict) and SECTION in ds_config
+
+
+def _readable_config(args: Any, config: Any) -> Any:
+    """The config dict the call names (a dict, a path, base64 JSON, or args.deepspeed_config), read
+    as DeepSpeed reads it; None when it cannot be read, so that DeepSpeed's own errors are raised."""
+    if config is None:
+        config = getattr(args, "deepspeed_config", None)
+    if config is None or isinstance(config, dict):
+        return config
+    from deepspeed.runtime.tensor_parallel.init_utils import load_ds_config
+
+    try:
+        return load_ds_config(config)
+    except Exception:  # noqa: BLE001 - DeepSpeed raises its own, clearer error when it reads it again
+        return None

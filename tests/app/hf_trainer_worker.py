@@ -1,0 +1,68 @@
+"""A plain Hugging Face Trainer script with the one line `lazyzero.patch_deepspeed()` added; run by
+tests/app/test_trainers.py on 2 CPU ranks (`deepspeed --num_gpus 2`).
+
+Arguments: OUT_DIR DS_CONFIG. Rank 0 writes OUT_DIR/result.json: the engine's class, the lazyzero
+metrics of every step, the losses and the checkpoint folders the Trainer left.
+"""
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+from transformers import Trainer, TrainerCallback, TrainingArguments
+
+import lazyzero
+from lazyzero.app.data.arithmetic import format_example, generate_problems
+from lazyzero.app.data.dataset import TokenizedExamples
+from lazyzero.app.data.tokenizer import ByteTokenizer
+from lazyzero.models import build_model
+
+STEPS = 5
+
+
+class RecordLazyZeroMetrics(TrainerCallback):
+    """The engine's lazyzero metrics after every optimizer step."""
+
+    def __init__(self):
+        self.trainer = None
+        self.steps = []
+
+    def on_step_end(self, args, state, control, **kwargs):
+        engine = self.trainer.model_wrapped
+        self.steps.append({"step": state.global_step, **engine.lazyzero_step_metrics()})
+
+
+def main() -> None:
+    out, ds_config = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]
+    lazyzero.patch_deepspeed()  # the one line this script adds to a plain Trainer script
+
+    tokenizer = ByteTokenizer()
+    texts = [format_example(problem) for problem in generate_problems(64, seed=0, split="train")]
+    train_set = TokenizedExamples(texts, tokenizer, seq_len=64)
+    model = build_model("tiny", vocab_size=tokenizer.vocab_size, seed=0)
+    args = TrainingArguments(output_dir=str(Path(out) / "trainer"), deepspeed=ds_config, use_cpu=True,
+                             per_device_train_batch_size=4, max_steps=STEPS, learning_rate=2e-3,
+                             save_steps=2, save_total_limit=1, logging_steps=1, report_to=[], seed=0,
+                             dataloader_num_workers=0, disable_tqdm=True)
+    recorder = RecordLazyZeroMetrics()
+    trainer = Trainer(model=model, args=args, train_dataset=train_set, callbacks=[recorder])
+    recorder.trainer = trainer
+    trainer.train()
+    engine = trainer.model_wrapped
+    engine.wait_for_checkpoints()
+    if int(os.environ.get("RANK", "0")) == 0:
+        result = {"engine_class": type(engine).__name__, "is_lazyzero": isinstance(engine, lazyzero.LazyZeroEngine),
+                  "features": engine.lazyzero_config.enabled_features(), "metrics": recorder.steps,
+                  "losses": [entry["loss"] for entry in trainer.state.log_history if "loss" in entry],
+                  "checkpoints": sorted(p.name for p in Path(args.output_dir).glob("checkpoint-*")),
+                  "optimizer_class": type(engine.basic_optimizer).__name__}
+        (Path(out) / "result.json").write_text(json.dumps(result))
+    torch.distributed.barrier()
+    engine.destroy()
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

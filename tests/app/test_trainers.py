@@ -1,0 +1,120 @@
+"""lazyzero under the trainers people already use: a plain Hugging Face Trainer script and a plain
+Accelerate script, each with `lazyzero.patch_deepspeed()` added, on 2 CPU ranks, with the shipped
+ds_configs/cpu_hf_trainer.json (int8 gradients, 8-bit AdamW, lazy checkpoints, csv_monitor, "auto"
+values the trainers fill in). Real processes, no mocks."""
+
+import csv
+import json
+from pathlib import Path
+
+import pytest
+
+from lazyzero.testing import run_distributed
+
+HERE = Path(__file__).resolve().parent
+SHIPPED = HERE.parents[1] / "ds_configs" / "cpu_hf_trainer.json"
+STEPS = 5
+# Metrics every optimizer step of this config reports; the checkpoint ones follow the first commit.
+EVERY_STEP = ("optimizer_state_bytes", "grad_wire_bytes", "grad_fp32_wire_bytes", "grad_exchange_s", "grad_overflow")
+NONZERO = ("optimizer_state_bytes", "grad_wire_bytes", "checkpoint_bytes")
+
+
+def config_copy(tmp_path: Path, **changes) -> Path:
+    """The shipped config with its csv_monitor writing under `tmp_path`, and `changes` (None: remove the key)."""
+    config = json.loads(SHIPPED.read_text())
+    config["csv_monitor"]["output_path"] = str(tmp_path / "csv")
+    for key, value in changes.items():
+        if value is None:
+            config.pop(key)
+        else:
+            config[key] = value
+    path = tmp_path / "ds_config.json"
+    path.write_text(json.dumps(config))
+    return path
+
+
+def run_worker(worker: str, out: Path, config: Path, *extra: str, env: dict | None = None) -> dict:
+    proc = run_distributed("deepspeed", 2, [str(HERE / worker), str(out), str(config), *extra], timeout=300,
+                           env=env)
+    assert proc.returncode == 0, proc.stdout[-6000:]
+    return json.loads((out / "result.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def hf_trainer_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("hf_trainer")
+    return out, run_worker("hf_trainer_worker.py", out, config_copy(out))
+
+
+def assert_lazyzero_features_on(result: dict) -> None:
+    assert result["engine_class"] == "LazyZeroEngine" and result["is_lazyzero"]
+    assert result["features"] == ["gradients", "optimizer", "checkpoint"]
+    assert result["optimizer_class"] == "AdamW8bit"
+    metrics = result["metrics"]
+    assert [entry["step"] for entry in metrics] == list(range(1, STEPS + 1))
+    for key in NONZERO:
+        assert metrics[-1][key] > 0, (key, metrics[-1])
+    # int8 on the wire: about a quarter of what fp32 buckets would send.
+    assert metrics[-1]["grad_wire_bytes"] < 0.3 * metrics[-1]["grad_fp32_wire_bytes"]
+    assert all(b < a for a, b in zip(result["losses"], result["losses"][1:])), result["losses"]
+
+
+@pytest.mark.multiproc
+def test_hf_trainer_builds_a_lazyzero_engine_with_every_feature_on(hf_trainer_run):
+    _, result = hf_trainer_run
+    assert_lazyzero_features_on(result)
+    # save_steps 2 and save_total_limit 1: the Trainer rotated its folders down to the last one.
+    assert result["checkpoints"] == [f"checkpoint-{STEPS}"]
+
+
+@pytest.mark.multiproc
+def test_csv_monitor_has_one_file_per_lazyzero_metric_with_a_row_per_step(hf_trainer_run):
+    out, result = hf_trainer_run
+    folder = out / "csv" / "lazyzero"
+    reported = {key for entry in result["metrics"] for key in entry if key not in ("step", "checkpoint_tag")}
+    written = {path.stem.removeprefix("lazyzero_") for path in folder.glob("lazyzero_*.csv")}
+    assert written == reported
+    for key in EVERY_STEP:
+        with open(folder / f"lazyzero_{key}.csv") as file:
+            rows = list(csv.reader(file))
+        assert rows[0] == ["step", key]
+        assert [int(step) for step, _ in rows[1:]] == list(range(1, STEPS + 1)), (key, rows)
+    with open(folder / "lazyzero_grad_wire_bytes.csv") as file:
+        # Every rank sends as many int8 bytes; the value written is the mean over the ranks.
+        assert {float(value) for _, value in list(csv.reader(file))[1:]} == {result["metrics"][0]["grad_wire_bytes"]}
+
+
+@pytest.mark.multiproc
+def test_accelerate_script_builds_a_lazyzero_engine_with_every_feature_on(tmp_path):
+    # Accelerate counts one process on CPU ranks (accelerate/state.py, PartialState: no distributed
+    # backend for the CPU device unless cpu=True, which turns DeepSpeed off), so it would fill in
+    # train_batch_size for one rank; giving it explicitly is the nearest path that runs here.
+    result = run_worker("accelerate_worker.py", tmp_path, config_copy(tmp_path, train_batch_size=8))
+    assert_lazyzero_features_on(result)
+    assert result["checkpoints"] == ["step2", "step4"]
+    assert (tmp_path / "csv" / "lazyzero" / "lazyzero_grad_wire_bytes.csv").exists()
+
+
+@pytest.mark.multiproc
+def test_an_optimizer_from_code_is_refused_naming_the_way_to_the_8bit_one(tmp_path):
+    result = run_worker("accelerate_worker.py", tmp_path, config_copy(tmp_path, train_batch_size=8, optimizer=None),
+                        "torch-optimizer")
+    refusal = result["refusal"]
+    assert "lazyzero.optimizer.enabled is true, but an optimizer object (AdamW) came from code" in refusal
+    assert "\"optimizer\" section" in refusal and "accelerate.utils.DummyOptim" in refusal
+
+
+@pytest.mark.multiproc
+def test_tensorboard_event_file_has_the_lazyzero_tags(tmp_path):
+    pytest.importorskip("tensorboard", reason="tensorboard is not installed here; DeepSpeed's TensorBoard "
+                                              "monitor needs it (the CSV test above checks the same events)")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    tensorboard = {"enabled": True, "output_path": str(tmp_path / "tensorboard"), "job_name": "lazyzero"}
+    result = run_worker("hf_trainer_worker.py", tmp_path, config_copy(tmp_path, tensorboard=tensorboard))
+    events = EventAccumulator(str(tmp_path / "tensorboard" / "lazyzero"))
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    assert {f"lazyzero/{key}" for key in EVERY_STEP} <= tags, tags
+    assert [event.step for event in events.Scalars("lazyzero/grad_wire_bytes")] == list(range(1, STEPS + 1))
+    assert result["is_lazyzero"]

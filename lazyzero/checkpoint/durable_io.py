@@ -154,3 +154,19 @@ def hash_file(path: str | os.PathLike, chunk_bytes: int = 8 << 20,
             if on_bytes is not None:
                 on_bytes(n)
     return size, digest.hexdigest()
+
+
+# What a checkpoint file takes beyond its tensors' bytes: torch.save's zip records and pickle, and the
+# filesystem's rounding up to its block (4 KiB on the common ones).
+FILE_OVERHEAD_BYTES = 4096
+
+
+def check_free_space(folder: str | os.PathLike, needed_bytes: int) -> None:
+    """Raise OSError(ENOSPC) naming `folder`, the bytes needed and the bytes free when the filesystem
+    holding `folder` has less room than `needed_bytes` for an unprivileged writer (docs/reliability.md,
+    guarantee 4: a save that cannot fit fails before it writes anything)."""
+    stats = os.statvfs(folder)
+    free = stats.f_bavail * stats.f_frsize
+    if needed_bytes > free:
+        raise OSError(errno.ENOSPC, f"not enough space for this rank's checkpoint files: {needed_bytes:,} bytes "
+                                    f"needed, {free:,} free on the filesystem of {folder}")

@@ -36,7 +36,7 @@ from lazyzero.checkpoint.commit import (
     make_durable,
     write_files,
 )
-from lazyzero.checkpoint.durable_io import remove_tree
+from lazyzero.checkpoint.durable_io import FILE_OVERHEAD_BYTES, check_free_space, remove_tree
 from lazyzero.checkpoint.faults import failpoint
 from lazyzero.checkpoint.folder_layout import check_tag, leftover_dirs, temp_dir
 from lazyzero.checkpoint.manifest import Manifest
@@ -267,6 +267,7 @@ class LazyCheckpointEngine(CheckpointEngine):
         _lower_priority()
         while (checkpoint := self._copy_queue.get()) is not None:
             try:
+                check_free_space(temp_dir(checkpoint.save_dir, checkpoint.tag), bytes_to_write(checkpoint.files))
                 run_copies(checkpoint.files)
                 live = [f for f in checkpoint.files if f.reads_live_state]
                 if live:
@@ -382,3 +383,8 @@ def _lower_priority() -> None:
         os.sched_setscheduler(threading.get_native_id(), os.SCHED_IDLE, os.sched_param(0))
     except (AttributeError, OSError):
         pass  # not Linux: normal priority
+
+
+def bytes_to_write(files: list[FileSnapshot]) -> int:
+    """What one rank's files of a checkpoint take on disk, at most (their tensors, and each file's overhead)."""
+    return sum(f.nbytes + FILE_OVERHEAD_BYTES for f in files)

@@ -1,4 +1,5 @@
-"""The one door through which lazyzero changes DeepSpeed's classes, objects and module globals.
+"""The one door through which lazyzero changes DeepSpeed's classes, objects and module globals (and,
+under `lazyzero.patch_deepspeed()`, the Hugging Face Trainer's two checkpoint-folder rules).
 
 lazyzero subclasses where DeepSpeed offers a class to subclass (the engine, the ZeRO-3 optimizer,
 checkpoint engines). Where it does not, a change goes through this module: `PATCH_POINTS` declares
@@ -124,6 +125,13 @@ PATCH_POINTS: tuple[PatchPoint, ...] = (
                ("args", "model", "optimizer", "model_parameters", "training_data", "lr_scheduler", "distributed_port",
                 "mpu", "dist_init_required", "collate_fn", "config", "mesh_param", "config_params"),
                "a config with a \"lazyzero\" section builds a LazyZeroEngine; any other goes to DeepSpeed's own"),
+    # With it, the Hugging Face Trainer's two checkpoint-folder rules, where transformers is installed
+    # (checkpoint/trainer_folders.py): an uncommitted lazy checkpoint is neither rotated for nor resumed from.
+    PatchPoint("transformers.trainer:get_last_checkpoint", ROUTE, ("folder",),
+               "the Trainer resumes from the newest folder whose lazy checkpoint is committed"),
+    PatchPoint("transformers.trainer:rotate_checkpoints", ROUTE,
+               ("output_dir", "save_total_limit", "best_model_checkpoint", "use_mtime", "checkpoint_prefix"),
+               "rotation never deletes the newest committed folder while a newer one is uncommitted"),
 )
 
 _BY_TARGET = {point.target: point for point in PATCH_POINTS}
@@ -293,6 +301,8 @@ def deepspeed_internals_problems() -> list[str]:
     parameters (empty when every internal lazyzero touches is as expected)."""
     problems = []
     for point in PATCH_POINTS:
+        if not _library_installed(point.target):
+            continue  # a trainer's rule, routed only where that library is installed
         try:
             value = resolve_target(point.target)
         except (ImportError, AttributeError) as error:
@@ -307,6 +317,12 @@ def deepspeed_internals_problems() -> list[str]:
             problems.append(f"{point.target}: takes {original_parameters(value)} in DeepSpeed "
                             f"{deepspeed.__version__}; lazyzero expects {point.parameters}")
     return problems
+
+
+def _library_installed(target: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(target.partition(":")[0].partition(".")[0]) is not None
 
 
 def _target_of(holder, name: str) -> str:

@@ -156,8 +156,8 @@ class ActivationsConfig(ConfigSection):
 
     keep_outliers: bool = True
     """Store each block's largest-magnitude element exactly (its value in the tensor's dtype and a one-byte index: 3
-    bytes per block in bf16) and scale the block by the rest, so that one value thousands of times larger than its neighbours, as pretrained
-    LLMs' residual streams carry, costs the others no precision."""
+    bytes per block in bf16) and scale the block by the rest, so that one value thousands of times larger than its
+    neighbours, as pretrained LLMs' residual streams carry, costs the others no precision."""
 
     fused_loss: bool = True
     """Compute a causal LM's cross-entropy loss and its gradients together in forward, a chunk of tokens at a time,

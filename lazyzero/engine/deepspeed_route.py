@@ -24,14 +24,19 @@ def patch_deepspeed() -> None:
     from lazyzero.patch_point import route_function
 
     route_function(deepspeed, "initialize", initialize_from_any_caller, owner=OWNER)
+    from lazyzero.checkpoint.trainer_folders import route_trainer_folder_rules
+
+    route_trainer_folder_rules()
 
 
 def unpatch_deepspeed() -> bool:
     """Give `deepspeed.initialize` back DeepSpeed's own function; whether it was routed."""
     import deepspeed
 
+    from lazyzero.checkpoint.trainer_folders import unroute_trainer_folder_rules
     from lazyzero.patch_point import unroute_function
 
+    unroute_trainer_folder_rules()
     return unroute_function(deepspeed, "initialize", owner=OWNER)
 
 

@@ -1,8 +1,10 @@
 """A plain Hugging Face Trainer script with the one line `lazyzero.patch_deepspeed()` added; run by
 tests/app/test_trainers.py on 2 CPU ranks (`deepspeed --num_gpus 2`).
 
-Arguments: OUT_DIR DS_CONFIG. Rank 0 writes OUT_DIR/result.json: the engine's class, the lazyzero
-metrics of every step, the losses and the checkpoint folders the Trainer left.
+Arguments: OUT_DIR DS_CONFIG [STEPS [resume]]. Rank 0 writes OUT_DIR/result.json: the engine's class,
+the lazyzero metrics of every step, the losses (and the step of each), the checkpoint folders the
+Trainer left, and with "resume" the folder it resumed from (`resume_from_checkpoint=True`). Every save
+is followed by a check, on rank 0, that some committed checkpoint folder exists (`committed_at_save`).
 """
 
 import json
@@ -12,14 +14,27 @@ from pathlib import Path
 
 import torch
 from transformers import Trainer, TrainerCallback, TrainingArguments
+from transformers import trainer as trainer_module
 
 import lazyzero
 from lazyzero.app.data.arithmetic import format_example, generate_problems
 from lazyzero.app.data.dataset import TokenizedExamples
 from lazyzero.app.data.tokenizer import ByteTokenizer
+from lazyzero.checkpoint.manifest import committed_tags
 from lazyzero.models import build_model
 
 STEPS = 5
+
+
+class CheckCommittedAfterSave(TrainerCallback):
+    """After each save (and the Trainer's rotation), whether some checkpoint folder holds a committed one."""
+
+    def __init__(self):
+        self.committed_at_save = []
+
+    def on_save(self, args, state, control, **kwargs):
+        folders = sorted(Path(args.output_dir).glob("checkpoint-*"))
+        self.committed_at_save.append(any(committed_tags(folder) for folder in folders))
 
 
 class RecordLazyZeroMetrics(TrainerCallback):
@@ -35,7 +50,9 @@ class RecordLazyZeroMetrics(TrainerCallback):
 
 
 def main() -> None:
-    out, ds_config = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]
+    out, ds_config, *rest = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]
+    steps = int(rest[0]) if rest else STEPS
+    resume = rest[1:] == ["resume"]
     lazyzero.patch_deepspeed()  # the one line this script adds to a plain Trainer script
 
     tokenizer = ByteTokenizer()
@@ -43,19 +60,23 @@ def main() -> None:
     train_set = TokenizedExamples(texts, tokenizer, seq_len=64)
     model = build_model("tiny", vocab_size=tokenizer.vocab_size, seed=0)
     args = TrainingArguments(output_dir=str(Path(out) / "trainer"), deepspeed=ds_config, use_cpu=True,
-                             per_device_train_batch_size=4, max_steps=STEPS, learning_rate=2e-3,
+                             per_device_train_batch_size=4, max_steps=steps, learning_rate=2e-3,
                              save_steps=2, save_total_limit=1, logging_steps=1, report_to=[], seed=0,
                              dataloader_num_workers=0, disable_tqdm=True)
-    recorder = RecordLazyZeroMetrics()
-    trainer = Trainer(model=model, args=args, train_dataset=train_set, callbacks=[recorder])
+    recorder, checker = RecordLazyZeroMetrics(), CheckCommittedAfterSave()
+    trainer = Trainer(model=model, args=args, train_dataset=train_set, callbacks=[recorder, checker])
     recorder.trainer = trainer
-    trainer.train()
+    resumed_from = trainer_module.get_last_checkpoint(args.output_dir) if resume else None  # what train() picks
+    trainer.train(resume_from_checkpoint=True if resume else None)
     engine = trainer.model_wrapped
     engine.wait_for_checkpoints()
     if int(os.environ.get("RANK", "0")) == 0:
         result = {"engine_class": type(engine).__name__, "is_lazyzero": isinstance(engine, lazyzero.LazyZeroEngine),
                   "features": engine.lazyzero_config.enabled_features(), "metrics": recorder.steps,
                   "losses": [entry["loss"] for entry in trainer.state.log_history if "loss" in entry],
+                  "loss_steps": [entry["step"] for entry in trainer.state.log_history if "loss" in entry],
+                  "resumed_from": resumed_from and Path(resumed_from).name,
+                  "committed_at_save": checker.committed_at_save,
                   "checkpoints": sorted(p.name for p in Path(args.output_dir).glob("checkpoint-*")),
                   "optimizer_class": type(engine.basic_optimizer).__name__}
         (Path(out) / "result.json").write_text(json.dumps(result))

@@ -118,3 +118,39 @@ def test_tensorboard_event_file_has_the_lazyzero_tags(tmp_path):
     assert {f"lazyzero/{key}" for key in EVERY_STEP} <= tags, tags
     assert [event.step for event in events.Scalars("lazyzero/grad_wire_bytes")] == list(range(1, STEPS + 1))
     assert result["is_lazyzero"]
+
+
+RESUME_STEPS = 6  # saves at steps 2, 4 and 6
+
+
+@pytest.mark.multiproc
+def test_a_trainer_run_killed_during_a_background_write_resumes_from_the_last_committed_checkpoint(tmp_path):
+    """save_steps 2, save_total_limit 1: the run is SIGKILLed in the middle of writing the checkpoint of
+    step 4 (LAZYZERO_FAILPOINT). Rotation kept a committed folder after every save; a restart with
+    resume_from_checkpoint=True picks checkpoint-2, not the uncommitted checkpoint-4, and its losses
+    from step 3 on equal an uninterrupted run's."""
+    whole = run_worker("hf_trainer_worker.py", tmp_path / "whole", config_copy(_made(tmp_path / "whole")),
+                       str(RESUME_STEPS))
+    # Right after the first save nothing is committed yet; after every later one some folder is.
+    assert whole["committed_at_save"][1:] == [True, True], whole["committed_at_save"]
+
+    out = tmp_path / "killed"
+    config = config_copy(_made(out))
+    killed = run_distributed("deepspeed", 2, [str(HERE / "hf_trainer_worker.py"), str(out), str(config),
+                                              str(RESUME_STEPS)],
+                             timeout=300, env={"LAZYZERO_FAILPOINT": "mid_file@0#2"})
+    assert killed.returncode != 0 and not (out / "result.json").exists()
+    folders = sorted(p.name for p in (out / "trainer").glob("checkpoint-*"))
+    assert folders == ["checkpoint-2", "checkpoint-4"], folders  # rotation waited for step 4's commit
+
+    resumed = run_worker("hf_trainer_worker.py", out, config, str(RESUME_STEPS), "resume")
+    assert resumed["resumed_from"] == "checkpoint-2"
+    assert all(resumed["committed_at_save"]), resumed["committed_at_save"]  # checkpoint-2 was there throughout
+    after = {step: loss for step, loss in zip(resumed["loss_steps"], resumed["losses"]) if step > 2}
+    expected = {step: loss for step, loss in zip(whole["loss_steps"], whole["losses"]) if step > 2}
+    assert list(after) == [3, 4, 5, 6] and after == expected, (after, expected)
+
+
+def _made(folder: Path) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder

@@ -108,7 +108,8 @@ class ActivationPacker:
 
     def _manage_loss_head(self, model: nn.Module, modules: dict[str, nn.Module]) -> None:
         """The fused loss head holds its weight gradient and the hidden states' gradient from forward to
-        backward (lazyzero/activations/loss_head.py): stored at the policy's width for the head."""
+        backward (lazyzero/activations/loss_head.py): the first is stored at the policy's width for the
+        head, the second kept exact (`_pack`)."""
         head = model.get_output_embeddings()
         name = next(name for name, module in modules.items() if module is head)
         entry = self.policy.loss_head_entry(name)
@@ -224,6 +225,8 @@ class ActivationPacker:
         bits = entry.bits if entry else KEEP_BITS
         if root is module_input:
             bits = entry.input_bits
+        if entry is not None and entry.kind == "head" and not _is_weight_gradient(tensor, module):
+            bits = KEEP_BITS  # the hidden states' gradient: small, and every layer's backward starts from it
         if not self._packable(tensor):
             bits = KEEP_BITS
         stored = self._stored_for(root)
@@ -299,6 +302,12 @@ class ActivationPacker:
         # A block holding Inf or NaN (SDPA's logsumexp is -inf on fully masked rows) would come back
         # as all NaN: keep such a tensor exact. One check over the scales, a block-th of the tensor.
         return packed if bool(torch.isfinite(packed.scales).all()) else None
+
+
+def _is_weight_gradient(tensor: torch.Tensor, head: nn.Module) -> bool:
+    """Whether `tensor`, saved inside the fused loss head, is its weight's gradient ([out, in] of the
+    Linear, whatever ZeRO-3 holds of the weight itself)."""
+    return tuple(tensor.shape) == (head.out_features, head.in_features)
 
 
 def _first_tensor(args: tuple, kwargs: dict) -> torch.Tensor | None:

@@ -167,9 +167,9 @@ class ActivationPolicy:
         return None
 
     def loss_head_entry(self, name: str) -> ModuleBits:
-        """The width of what the fused loss head (module `name`) holds for backward: its weight's and the
-        hidden states' gradients, computed in forward (lazyzero/activations/loss_head.py). They are
-        gradients, not activations, but held as long as one: an `overrides` pattern, else `default_bits`."""
+        """The width of the weight gradient the fused loss head (module `name`) holds for backward, computed
+        in forward (lazyzero/activations/loss_head.py; the hidden states' gradient it holds too stays exact).
+        A gradient, not an activation, but held as long as one: an `overrides` pattern, else `default_bits`."""
         override = self.override_for(name)
         return ModuleBits(name, "head", None, self.config.default_bits if override is None else override)
 

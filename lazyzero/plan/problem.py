@@ -202,6 +202,11 @@ class Machine:
     def has_host(self) -> bool:
         return "cpu" in self.tiers
 
+    def tier_label(self, tier: str) -> str:
+        """What tables, plots and messages call `tier`: without a separate host tier the memory training
+        computes in is host memory (a machine without a GPU), and "gpu" would read as a mistake there."""
+        return "host" if tier == "gpu" and not self.has_host else tier
+
     def route_down(self, tier: str) -> tuple[str, ...]:
         """Paths a copy from the compute memory to `tier` loads (NVMe goes through host memory)."""
         if tier == "cpu":

@@ -29,15 +29,16 @@ def plan_table(problem: PlanProblem, plan: Plan) -> str:
     for column in ("layer", "activations", "bits", "act tier", "params", "state", "state bits", "grad error 8/4",
                    "excluded"):
         layers.add_column(column)
+    label = problem.machine.tier_label
     for costs, lp in zip(problem.layers, plan.layers):
-        layers.add_row(costs.name, lp.act_mode, str(lp.act_bits), lp.act_tier, lp.param_tier, lp.state_tier,
-                       "8" if lp.state_8bit else "32", *_quality_cells(costs))
+        layers.add_row(costs.name, lp.act_mode, str(lp.act_bits), label(lp.act_tier), label(lp.param_tier),
+                       label(lp.state_tier), "8" if lp.state_8bit else "32", *_quality_cells(costs))
     tiers = Table(title="predicted peak memory per tier")
     for column in ("tier", "peak GB", "budget GB", "used"):
         tiers.add_column(column, justify="right")
     for name, tier in problem.machine.tiers.items():
         peak = plan.predicted_peak_bytes.get(name, 0.0)
-        tiers.add_row(name, f"{peak / GB:.2f}", f"{tier.capacity_bytes / GB:.2f}",
+        tiers.add_row(label(name), f"{peak / GB:.2f}", f"{tier.capacity_bytes / GB:.2f}",
                       f"{100 * peak / tier.capacity_bytes:.1f}%" if tier.capacity_bytes else "-")
     buffer = io.StringIO()
     console = Console(file=buffer, width=TABLE_WIDTH, force_terminal=False, color_system=None)
@@ -87,7 +88,8 @@ def plot_memory(problem: PlanProblem, plan: Plan, path: str | FilePath) -> None:
     axes = figure.add_subplot()
     windows = range(problem.num_windows)
     for tier, spec in problem.machine.tiers.items():
-        line, = axes.plot(windows, [r.memory.get(tier, 0.0) / GB for r in simulation.windows], label=tier)
+        line, = axes.plot(windows, [r.memory.get(tier, 0.0) / GB for r in simulation.windows],
+                          label=problem.machine.tier_label(tier))
         axes.axhline(spec.capacity_bytes / GB, color=line.get_color(), linestyle="--", linewidth=1)
     ticks = list(windows)[:: max(1, problem.num_windows // 20)]
     axes.set_xticks(ticks, [window_label(problem, w) for w in ticks])

@@ -142,3 +142,23 @@ def test_smollm2_4_bits_cost_more_than_8_on_every_layer_and_the_default_bound_sp
     for name, error in errors.items():
         assert error[8] < error[4], name
         assert error[8] <= bound < error[4], name
+
+
+def test_without_a_host_tier_the_compute_tier_is_called_host_in_the_table():
+    """On a machine without a GPU the memory training computes in is host memory: "gpu" would read
+    as a mistake there (the table, its per-tier peaks and the memory plot use `Machine.tier_label`)."""
+    import dataclasses
+
+    from lazyzero.plan.greedy import greedy_plan
+    from lazyzero.plan.instances import llama_like_80_layers
+    from lazyzero.plan.problem import Machine
+    from lazyzero.plan.report import plan_table
+
+    with_gpu = llama_like_80_layers()
+    tiers = {name: tier for name, tier in with_gpu.machine.tiers.items() if name != "cpu"}
+    paths = {name: path for name, path in with_gpu.machine.paths.items() if name.startswith("nvme")}
+    machine = Machine(tiers, paths, with_gpu.machine.cpu_adam_s_per_byte, with_gpu.machine.gpu_adam_s_per_byte)
+    host_only = dataclasses.replace(with_gpu, machine=machine)
+    table = plan_table(host_only, greedy_plan(host_only))
+    assert " host " in table and " gpu " not in table and " cpu " not in table
+    assert " gpu " in plan_table(with_gpu, greedy_plan(with_gpu))

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 from typing import Any, Optional
 
+from lazyzero.config.async_io import async_io_problems
 from lazyzero.config.errors import Problem
 from lazyzero.config.models import LazyZeroConfig
 from lazyzero.config.plan_checks import plan_problems
@@ -41,7 +42,7 @@ def lazyzero_against_deepspeed_problems(config: LazyZeroConfig, ds_config: dict,
     """Options of the "lazyzero" section that contradict DeepSpeed's, or this machine."""
     problems = []
     if config.plan.nvme_path is not None:
-        problems += _directory_problems("lazyzero.plan.nvme_path", config.plan.nvme_path)
+        problems += _nvme_folder_problems("lazyzero.plan.nvme_path", config.plan.nvme_path)
     problems += _optimizer_conflicts(config, ds_config)
     problems += _gradient_conflicts(config, ds_config, world_size)
     problems += _activation_conflicts(config, ds_config)
@@ -68,7 +69,13 @@ def _offload_problems(path: str, offload: Any) -> list[Problem]:
         return []
     if offload.get("nvme_path") is None:
         return [Problem.missing(f"{path}.nvme_path", f"{WRITABLE_DIRECTORY} when {path}.device is 'nvme'")]
-    return _directory_problems(f"{path}.nvme_path", offload["nvme_path"])
+    return _nvme_folder_problems(f"{path}.nvme_path", offload["nvme_path"])
+
+
+def _nvme_folder_problems(path: str, directory: Any) -> list[Problem]:
+    """A folder the run swaps to: writable (`_directory_problems`), on a machine where DeepSpeed's
+    async_io loads (`lazyzero/config/async_io.py`)."""
+    return _directory_problems(path, directory) or async_io_problems(path)
 
 
 def _directory_problems(path: str, directory: Any) -> list[Problem]:
@@ -191,7 +198,8 @@ def _activation_offload_problems(activations) -> list[Problem]:
         problems.append(Problem.missing(f"{path}.offload_nvme_path",
                                         f"{WRITABLE_DIRECTORY} when a layer of {path}.offload_layers is 'nvme'"))
     if activations.offload_nvme_path is not None:
-        problems += _directory_problems(f"{path}.offload_nvme_path", activations.offload_nvme_path)
+        problems += (_nvme_folder_problems if "nvme" in offload.values() else _directory_problems)(
+            f"{path}.offload_nvme_path", activations.offload_nvme_path)
     if activations.keep_outliers and activations.block_size > MAX_OUTLIER_BLOCK:
         problems.append(Problem.bad_value(
             f"{path}.block_size", activations.block_size,

@@ -590,3 +590,46 @@ def test_the_outlier_block_limit_is_the_kernels():
     from lazyzero.ops import quant_reference
 
     assert cross_checks.MAX_OUTLIER_BLOCK == quant_reference.MAX_OUTLIER_BLOCK
+
+
+NVME_USERS = [
+    ({"lazyzero": {"plan": {"nvme_path": "{tmp}"}}}, "lazyzero.plan.nvme_path"),
+    ({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": "{tmp}"}}},
+     "zero_optimization.offload_param.nvme_path"),
+    ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "nvme", "nvme_path": "{tmp}"}}},
+     "zero_optimization.offload_optimizer.nvme_path"),
+    ({"lazyzero": {"activations": {"enabled": True, "offload_layers": {"0": "nvme"}, "offload_nvme_path": "{tmp}"}}},
+     "lazyzero.activations.offload_nvme_path"),
+]
+
+
+@pytest.mark.parametrize("settings, path", NVME_USERS)
+def test_an_nvme_folder_is_refused_where_deepspeeds_async_io_cannot_load(workdir, monkeypatch, settings, path):
+    """Here libaio is installed, so the probe is made to answer as on a machine without it; the refusal
+    names the key, what is missing and how to install it."""
+    from lazyzero.config import async_io
+
+    config = {"train_batch_size": 8, "lazyzero": {}, **with_tmp(settings, workdir)}
+    validate_ds_config(config)  # with async_io loadable: accepted
+    missing = "DeepSpeed's async_io op cannot be built here: libaio's header or library is missing"
+    monkeypatch.setattr(async_io, "async_io_unavailable", lambda: missing)
+    with pytest.raises(LazyZeroConfigError) as caught:
+        validate_ds_config(config)
+    problem_line(caught.value, path, f"NVMe needs DeepSpeed's async_io op: {missing}. Install libaio (apt-get install")
+
+
+def test_the_async_io_probe_answers_once_per_process(monkeypatch):
+    """The probe compiles against libaio: it runs once, whatever number of NVMe keys a config has."""
+    from deepspeed.ops.op_builder import AsyncIOBuilder
+
+    from lazyzero.config.async_io import async_io_unavailable
+
+    calls = []
+    real = AsyncIOBuilder.is_compatible
+    monkeypatch.setattr(AsyncIOBuilder, "is_compatible",
+                        lambda self, verbose=False: calls.append(1) or real(self, verbose))
+    async_io_unavailable.cache_clear()
+    first = async_io_unavailable()
+    assert async_io_unavailable() == first and len(calls) == 1
+    assert first is None or "async_io" in first
+    async_io_unavailable.cache_clear()

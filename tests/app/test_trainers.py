@@ -63,8 +63,9 @@ def assert_lazyzero_features_on(result: dict) -> None:
 def test_hf_trainer_builds_a_lazyzero_engine_with_every_feature_on(hf_trainer_run):
     _, result = hf_trainer_run
     assert_lazyzero_features_on(result)
-    # save_steps 2 and save_total_limit 1: the Trainer rotated its folders down to the last one.
-    assert result["checkpoints"] == [f"checkpoint-{STEPS}"]
+    # save_total_limit 1: the newest, and the one before it when the newest was still being written at
+    # rotation (an uncommitted folder does not count toward the limit: docs/checkpoint.md, "Under the Trainer").
+    assert result["checkpoints"] in ([f"checkpoint-{STEPS}"], [f"checkpoint-{STEPS - 1}", f"checkpoint-{STEPS}"])
 
 
 @pytest.mark.multiproc

@@ -188,8 +188,12 @@ class RunsCode:
         return (open, (str(self.marker), "w"))
 
 
+# Lazy checkpoints off is the default suite; on (the lazy engine reads through the same VerifiedFiles) is slow.
+LAZY_OFF_THEN_ON = ["0", pytest.param("1", marks=pytest.mark.slow)]
+
+
 @pytest.mark.multiproc
-@pytest.mark.parametrize("lazy", ["0", "1"])
+@pytest.mark.parametrize("lazy", LAZY_OFF_THEN_ON)
 def test_a_real_engine_refuses_a_model_file_that_would_run_code(tmp_path, lazy):
     """Lazy checkpoints off: DeepSpeed's own checkpoint engine reads the files (through the patch point);
     on: the lazy engine does, after the manifest was rewritten to match the hostile file."""
@@ -213,7 +217,7 @@ def test_a_real_engine_refuses_a_model_file_that_would_run_code(tmp_path, lazy):
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("lazy", ["0", "1"])
+@pytest.mark.parametrize("lazy", LAZY_OFF_THEN_ON)
 def test_a_save_tag_leading_outside_is_refused_before_anything_is_written(tmp_path, lazy):
     save_dir = tmp_path / "save"
     proc = run_distributed("deepspeed", 1, [str(WORKER), "save_outside", str(save_dir), lazy], timeout=300)

@@ -65,6 +65,7 @@ def test_another_routing_of_initialize_is_refused(unpatched):
 
 
 @pytest.mark.multiproc
+@pytest.mark.slow  # 45 s; the trainers' tests (tests/app/test_trainers.py) take the same route by default
 def test_initialize_builds_lazyzero_engines_for_a_lazyzero_section_only(tmp_path):
     proc = run_distributed("deepspeed", 1, [str(WORKER), str(tmp_path)], timeout=300)
     assert proc.returncode == 0, proc.stdout[-4000:]

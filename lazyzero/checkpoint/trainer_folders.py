@@ -47,14 +47,17 @@ def _original(name: str):
 
 def get_last_committed_checkpoint(folder):
     """`get_last_checkpoint(folder)`, skipping folders whose lazy checkpoint is uncommitted."""
-    uncommitted = {name for name in os.listdir(folder) if holds_uncommitted_checkpoint(Path(folder) / name)}
-    if not uncommitted:
-        return _original("get_last_checkpoint")(folder)
-    steps = {}
+    steps, skipped = {}, False
     for name in os.listdir(folder):
         match = CHECKPOINT_NAME.fullmatch(name)
-        if match and name not in uncommitted and (Path(folder) / name).is_dir():
+        if not match or not (Path(folder) / name).is_dir():
+            continue
+        if holds_uncommitted_checkpoint(Path(folder) / name):
+            skipped = True
+        else:
             steps[name] = int(match.group(1))
+    if not skipped:
+        return _original("get_last_checkpoint")(folder)
     return os.path.join(folder, max(steps, key=steps.get)) if steps else None
 
 

@@ -1,22 +1,28 @@
-"""One engine's part of bench_checkpoint.py: ZeRO-3 training with a checkpoint every other block of
-steps, raw timings to a JSON file (bench_checkpoint.py turns them into stalls and ratios).
+"""One engine's part of bench_checkpoint.py: ZeRO-3 training, blocks of steps with a checkpoint in
+flight and without, in ABBA order, in two scenarios; raw timings to a JSON file.
 
 Usage (under the deepspeed launcher, 2 ranks):
     checkpoint_worker.py --engine deepspeed|decoupled|lazyzero --model SPEC --save-dir DIR --out F.json
-        [--warmup-steps N] [--cycles N] [--interval N] [--batch B] [--seq S] [--plain-write-repeats R]
+        [--pairs N] [--interval N] [--batch B] [--seq S] [--idle-seq S] [--plain-write-repeats R]
 
-After the warm-up steps, each cycle is
-    save_checkpoint, `interval` steps (the block with a save) | `interval` steps (the block without)
-so the blocks without a save are the reference, measured between the others, under the same load
-(other processes, the page cache). Every clock starts and stops on the main thread around one
-call; everything else (deleting DeepSpeed's older tags, flushing dirty pages, barriers, reading
-lazyzero's commit figures) happens between blocks, outside every timed region (`settle`).
+Scenarios (benchmarks/README.md, "bench_checkpoint"):
+- `busy_cores`: every step is a real forward, backward and optimizer step on the batch; the ranks'
+  threads keep every core busy (a CPU-only run).
+- `idle_cores`: the host a GPU run has. The forward and backward the accelerator would compute are
+  a sleep of their measured time (the real batch's forward and backward minus the short batch's,
+  measured in the warm-up of the run's first launch, given to the others by `--accelerator-s`);
+  the engine still runs a real forward and backward of a short batch and its real optimizer step
+  on the host (as ZeRO-Offload does), so the state changes every step and every engine path runs.
+A block is `interval` steps; a block "with" starts with save_checkpoint and, for lazyzero, ends
+with wait_for_checkpoints (timed: whatever the checkpoint has left to do is charged to it). Pairs
+alternate (with, without), (without, with), ... so that a drift of the step time cancels. Before
+every block, outside timing, rank 0 removes DeepSpeed's older tags and every dirty page is flushed
+(`settle`). One block with a checkpoint before the pairs is reported on its own: lazyzero
+allocates its buffers and touches their pages then.
 
-lazyzero only, at the end: `wait_for_checkpoints` (a failed checkpoint raises there or on the next
-save or step, so reaching the end means every queued checkpoint was committed), the newest tag is
-verified against its manifest; then, training paused, one more checkpoint is saved and waited for
-(`paused_training_write`), and each rank writes as many bytes as one lazyzero checkpoint of its own
-with a plain sequential writer (`plain_sequential_write`), both ranks at once.
+lazyzero only, at the end: the newest tag is verified against its manifest; then, training paused,
+one more checkpoint is saved and waited for (`paused_training_write`), and each rank writes as many
+bytes as one checkpoint of its own with a plain sequential writer (`plain_sequential_write`).
 """
 
 from __future__ import annotations
@@ -50,8 +56,10 @@ ENGINE_SECTIONS = {
     # lazyzero rejects DeepSpeed's "checkpoint.writer" in lazy mode: no writer section here.
     "lazyzero": {"lazyzero": {"checkpoint": {"enabled": True, "keep_last": 2}}},
 }
+SCENARIOS = ("busy_cores", "idle_cores")
 PLAIN_WRITE_CHUNK = 64 * 2**20
 SEED = 0
+COMPUTE_SAMPLES = 3  # warm-up steps whose forward and backward are timed, per batch length
 
 
 def parse_worker_args() -> argparse.Namespace:
@@ -60,12 +68,14 @@ def parse_worker_args() -> argparse.Namespace:
     parser.add_argument("--model", required=True, help="a preset name or a config.json path (build_model)")
     parser.add_argument("--save-dir", type=Path, required=True)
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--warmup-steps", type=int, default=3)
-    parser.add_argument("--cycles", type=int, default=4, help="checkpoints saved (the first one included)")
-    parser.add_argument("--interval", type=int, default=5, help="steps per block: a checkpoint every N steps")
+    parser.add_argument("--pairs", type=int, default=4, help="(with, without) pairs per scenario")
+    parser.add_argument("--interval", type=int, default=3, help="steps per block")
     parser.add_argument("--batch", type=int, default=1, help="micro batch per rank")
-    parser.add_argument("--seq", type=int, default=128, help="tokens per sequence")
+    parser.add_argument("--seq", type=int, default=64, help="tokens per sequence")
+    parser.add_argument("--idle-seq", type=int, default=4, help="tokens per sequence the host computes (idle_cores)")
     parser.add_argument("--plain-write-repeats", type=int, default=3)
+    parser.add_argument("--accelerator-s", type=float,
+                        help="the idle_cores sleep per step, measured by an earlier launch (default: measure it)")
     return parser.parse_args(worker_args())
 
 
@@ -90,69 +100,84 @@ def make_engine(args: argparse.Namespace):
 
 def token_batches(vocab_size: int, batch: int, seq: int, count: int = 4) -> list[torch.Tensor]:
     """A few fixed synthetic batches per rank, cycled: the data does not change a step's cost."""
-    generator = torch.Generator().manual_seed(SEED * 1000 + dist.get_rank())
+    generator = torch.Generator().manual_seed(SEED * 1000 + seq * 10 + dist.get_rank())
     return [torch.randint(0, vocab_size, (batch, seq), generator=generator) for _ in range(count)]
 
 
 class Trainer:
     """Timed steps and saves on one engine."""
 
-    def __init__(self, engine, batches: list[torch.Tensor]):
-        self.engine, self.batches, self.steps_done = engine, batches, 0
+    def __init__(self, engine, batches: list[torch.Tensor], short_batches: list[torch.Tensor]):
+        self.engine, self.batches, self.short_batches = engine, batches, short_batches
+        self.steps_done, self.accelerator_s = 0, 0.0
 
-    def step(self) -> float:
+    def step(self, scenario: str) -> float:
         """Seconds of one forward, backward and optimizer step (a decoupled commit happens inside)."""
-        ids = self.batches[self.steps_done % len(self.batches)]
         start = time.perf_counter()
-        loss = self.engine(input_ids=ids, labels=ids).loss
-        self.engine.backward(loss)
+        self.forward_backward(short=scenario == "idle_cores")
         self.engine.step()
-        seconds = time.perf_counter() - start
         self.steps_done += 1
-        return seconds
-
-    def steps(self, count: int) -> list[float]:
-        return [self.step() for _ in range(count)]
-
-    def save(self, save_dir: Path, tag: str) -> float:
-        start = time.perf_counter()
-        self.engine.save_checkpoint(str(save_dir), tag=tag)
         return time.perf_counter() - start
 
+    def forward_backward(self, short: bool) -> float:
+        batches = self.short_batches if short else self.batches
+        ids = batches[self.steps_done % len(batches)]
+        start = time.perf_counter()
+        loss = self.engine(input_ids=ids, labels=ids).loss
+        if short:
+            time.sleep(self.accelerator_s)  # the accelerator's forward and backward; host cores idle
+        self.engine.backward(loss)
+        return time.perf_counter() - start
 
-class CommitLog:
-    """lazyzero's `last_commit` of every checkpoint seen committed, read between blocks."""
+    def measure_accelerator_time(self, given_s: float | None) -> dict:
+        """Warm-up: time forward and backward on both batch lengths; the accelerator's share is the
+        difference (the short batch's own cost stays real in the idle_cores steps). `given_s`, the
+        first engine's measurement, is used when given: every engine of a run sleeps the same."""
+        timed = {}
+        for short in (False, True):
+            seconds = []
+            for _ in range(COMPUTE_SAMPLES):
+                seconds.append(self.forward_backward(short))
+                self.engine.step()
+                self.steps_done += 1
+            timed["short" if short else "full"] = statistics.median(seconds)
+        # Every rank sleeps the same time: the slowest rank's difference, as a collective step would.
+        difference = torch.tensor([max(timed["full"] - timed["short"], 0.0)])
+        dist.all_reduce(difference, op=dist.ReduceOp.MAX)
+        self.accelerator_s = float(difference) if given_s is None else given_s
+        return {"forward_backward_s": timed, "measured_accelerator_s": float(difference),
+                "accelerator_s": self.accelerator_s}
 
-    def __init__(self, engine):
-        self.engine = engine
-        self.by_tag: dict[str, dict] = {}
-
-    def note(self) -> str | None:
-        """Record the newest commit; return its tag (None before the first)."""
-        last = getattr(self.engine.checkpoint_engine, "last_commit", None)
-        if last is not None:
-            self.by_tag.setdefault(last["tag"], dict(last))
-        return last["tag"] if last else None
+    def block(self, scenario: str, steps: int, save_dir: Path | None = None, tag: str | None = None) -> dict:
+        """One block of `steps` steps; with `save_dir`, a checkpoint first (and, for lazyzero, its
+        commit awaited at the end, inside the block's time)."""
+        cpu_start, start = time.process_time(), time.perf_counter()
+        save_s = save_cpu_s = wait_s = 0.0
+        if save_dir is not None:
+            self.engine.save_checkpoint(str(save_dir), tag=tag)
+            save_s, save_cpu_s = time.perf_counter() - start, time.process_time() - cpu_start
+        step_s = [self.step(scenario) for _ in range(steps)]
+        if save_dir is not None and hasattr(self.engine, "wait_for_checkpoints"):
+            waited = time.perf_counter()
+            self.engine.wait_for_checkpoints()
+            wait_s = time.perf_counter() - waited
+        return {"block_s": time.perf_counter() - start, "save_s": save_s, "save_main_cpu_s": save_cpu_s,
+                "steps_s": step_s, "final_wait_s": wait_s}
 
 
 def settle(save_dir: Path, keep_only: str | None) -> None:
     """Between blocks, outside timing: rank 0 deletes DeepSpeed's tags but `keep_only` (DeepSpeed
     keeps every tag; this bounds the disk use), then flushes every dirty page. DeepSpeed's engines
     do not fsync, so the kernel would write their checkpoint back during whichever block comes
-    next, the reference blocks included; flushed here, each block starts clean. What the kernel
-    writes back after a block with a save is therefore not charged to DeepSpeed (in its favour)."""
+    next; flushed here, each block starts clean, and that writeback is not charged to DeepSpeed."""
     dist.barrier()
     if dist.get_rank() == 0:
-        if keep_only is not None:
+        if keep_only is not None and save_dir.is_dir():
             for folder in save_dir.iterdir():
                 if folder.is_dir() and folder.name != keep_only:
                     shutil.rmtree(folder)
         os.sync()
     dist.barrier()
-
-
-def folder_bytes(folder: Path) -> int:
-    return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
 
 
 def memory_available_gb() -> float:
@@ -162,52 +187,60 @@ def memory_available_gb() -> float:
     return float("nan")
 
 
-def run_cycles(args: argparse.Namespace, trainer: Trainer, commits: CommitLog | None) -> tuple[list[dict], float]:
-    """Every (save + block, block without a save) cycle; the lowest MemAvailable seen (GB)."""
-    cycles, lowest_memory = [], memory_available_gb()
-    for index in range(args.cycles):
-        tag = f"ckpt{index}"
-        settle(args.save_dir, None)
-        save_s = trainer.save(args.save_dir, tag)
-        after_save = trainer.steps(args.interval)
-        committed_in_block = commits.note() == tag if commits else None
-        lowest_memory = min(lowest_memory, memory_available_gb())
-        # On disk once committed: at once for DeepSpeed's default engine, in the first step after the
-        # save for the decoupled one, when `last_commit` names it for lazyzero.
-        on_disk = folder_bytes(args.save_dir / tag) if (args.save_dir / tag).is_dir() else None
-        settle(args.save_dir, tag if args.engine != "lazyzero" else None)
-        without_save = trainer.steps(args.interval)
-        if commits:
-            commits.note()
-        cycles.append({"tag": tag, "save_s": save_s, "steps_after_save_s": after_save,
-                       "steps_without_save_s": without_save, "committed_within_interval": committed_in_block,
-                       "bytes_on_disk": on_disk})
-        progress(f"{args.engine} {tag}: save {save_s:.3f} s, block with save {sum(after_save):.2f} s, "
-                 f"without {sum(without_save):.2f} s")
-    return cycles, lowest_memory
+class BlockRunner:
+    """Numbered checkpoints, settled blocks, lazyzero's commit figures attached to each save block."""
+
+    def __init__(self, args: argparse.Namespace, trainer: Trainer):
+        self.args, self.trainer, self.saved, self.lowest_memory = args, trainer, 0, memory_available_gb()
+
+    def with_save(self, scenario: str) -> dict:
+        tag = f"ckpt{self.saved}"
+        self.saved += 1
+        settle(self.args.save_dir, None)
+        block = self.trainer.block(scenario, self.args.interval, self.args.save_dir, tag)
+        self.lowest_memory = min(self.lowest_memory, memory_available_gb())
+        last = getattr(self.trainer.engine.checkpoint_engine, "last_commit", None)
+        if self.args.engine == "lazyzero":
+            if last is None or last["tag"] != tag:
+                raise RuntimeError(f"lazyzero: {tag} was not committed by wait_for_checkpoints")
+            block["commit"] = dict(last)
+        block["tag"] = tag
+        settle(self.args.save_dir, tag if self.args.engine != "lazyzero" else None)
+        return block
+
+    def without_save(self, scenario: str) -> dict:
+        settle(self.args.save_dir, None)
+        return self.trainer.block(scenario, self.args.interval)
+
+    def pairs(self, scenario: str) -> list[dict]:
+        """(with, without), (without, with), ...: each pair's two blocks, labelled."""
+        result = []
+        for index in range(self.args.pairs):
+            order = ("with", "without") if index % 2 == 0 else ("without", "with")
+            pair = {kind: self.with_save(scenario) if kind == "with" else self.without_save(scenario) for kind in order}
+            result.append(pair)
+            progress(f"{self.args.engine} {scenario} pair {index + 1}/{self.args.pairs}: "
+                     f"with {pair['with']['block_s']:.2f} s (save {pair['with']['save_s']:.3f} s), "
+                     f"without {pair['without']['block_s']:.2f} s")
+        return result
 
 
-def finish_lazyzero(args: argparse.Namespace, engine, commits: CommitLog) -> dict:
-    """Wait for every checkpoint (outside timing), verify the newest, and list what is on disk."""
-    start = time.perf_counter()
+def finish_lazyzero(args: argparse.Namespace, engine) -> dict:
+    """Verify the newest checkpoint and list what is on disk (outside timing)."""
     engine.wait_for_checkpoints()
-    final_wait_s = time.perf_counter() - start
-    newest = commits.note()
+    newest = engine.checkpoint_engine.last_commit["tag"]
     dist.barrier()
-    verified = None
-    if dist.get_rank() == 0:
-        verified = verify_checkpoint(args.save_dir / newest).tag
-    return {"final_wait_s": final_wait_s, "newest_committed": newest, "newest_verified": verified,
-            "tags_on_disk": committed_tags(args.save_dir), "commits": commits.by_tag}
+    verified = verify_checkpoint(args.save_dir / newest).tag if dist.get_rank() == 0 else None
+    return {"newest_committed": newest, "newest_verified": verified, "tags_on_disk": committed_tags(args.save_dir)}
 
 
-def paused_training_write(args: argparse.Namespace, trainer: Trainer) -> dict:
+def paused_training_write(args: argparse.Namespace, engine) -> dict:
     """`last_commit` of one more lazyzero checkpoint, saved and waited for with training paused:
     the writer's pace with the cores to itself, to compare with the plain write (also paused)."""
     dist.barrier()
-    trainer.save(args.save_dir, "paused")
-    trainer.engine.wait_for_checkpoints()
-    return dict(trainer.engine.checkpoint_engine.last_commit)
+    engine.save_checkpoint(str(args.save_dir), tag="paused")
+    engine.wait_for_checkpoints()
+    return dict(engine.checkpoint_engine.last_commit)
 
 
 def plain_sequential_write(folder: Path, nbytes: int, repeats: int) -> list[float]:
@@ -245,17 +278,22 @@ def progress(message: str) -> None:
 def main() -> None:
     args = parse_worker_args()
     engine, parameters = make_engine(args)
-    trainer = Trainer(engine, token_batches(engine.module.config.vocab_size, args.batch, args.seq))
-    progress(f"{args.engine}: {parameters / 1e6:.1f}M parameters, {args.warmup_steps} warm-up steps")
-    warmup = trainer.steps(args.warmup_steps)
-    commits = CommitLog(engine) if args.engine == "lazyzero" else None
-    cycles, lowest_memory = run_cycles(args, trainer, commits)
-    record = {"rank": dist.get_rank(), "engine": args.engine, "parameters": parameters,
-              "warmup_steps_s": warmup, "cycles": cycles, "lowest_mem_available_gb": lowest_memory}
-    if commits:
-        record["lazyzero"] = finish_lazyzero(args, engine, commits)
-        record["paused_write"] = paused_training_write(args, trainer)
-        checkpoint_bytes = int(statistics.median(c["bytes"] for c in commits.by_tag.values()))
+    vocab = engine.module.config.vocab_size
+    trainer = Trainer(engine, token_batches(vocab, args.batch, args.seq),
+                      token_batches(vocab, args.batch, args.idle_seq))
+    progress(f"{args.engine}: {parameters / 1e6:.1f}M parameters, warming up")
+    warmup = {"first_step_s": trainer.step("busy_cores"), **trainer.measure_accelerator_time(args.accelerator_s)}
+    runner = BlockRunner(args, trainer)
+    warmup["first_checkpoint_block"] = runner.with_save("busy_cores")
+    progress(f"{args.engine}: accelerator time per step {trainer.accelerator_s:.2f} s; "
+             f"first checkpoint block {warmup['first_checkpoint_block']['block_s']:.2f} s")
+    record = {"rank": dist.get_rank(), "engine": args.engine, "parameters": parameters, "warmup": warmup,
+              "scenarios": {scenario: runner.pairs(scenario) for scenario in SCENARIOS}}
+    record["lowest_mem_available_gb"] = runner.lowest_memory
+    if args.engine == "lazyzero":
+        record["lazyzero"] = finish_lazyzero(args, engine)
+        record["paused_write"] = paused_training_write(args, engine)
+        checkpoint_bytes = record["paused_write"]["bytes"]
         record["plain_write"] = {"bytes": checkpoint_bytes, "seconds": plain_sequential_write(
             args.save_dir, checkpoint_bytes, args.plain_write_repeats)}
     records = [None] * dist.get_world_size()

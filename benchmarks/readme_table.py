@@ -30,8 +30,11 @@ TARGETS = {
     "bench_quant": {"quant_vs_memcpy": (">=", 0.5), "quant_vs_ref": (">=", 4.0)},
     "bench_grad_comm": {"wire_ratio_vs_fp32": ("<=", 0.27), "time_ratio_vs_fp32": ("<=", 0.6)},
     "bench_int8_convergence": {"loss_ratio_stage2": ("<=", 1.02), "loss_ratio_stage3": ("<=", 1.02)},
-    "bench_checkpoint": {"stall_ratio_vs_deepspeed": (">=", 50.0), "e2e_overhead": ("<=", 1.05),
-                         "write_bw_ratio": (">=", 0.8)},
+    # busy_cores keeps DataStates-LLM's published 48x, rounded up, as its target; idle_cores is the
+    # host that design is for (a GPU run), with the target its issue set.
+    "bench_checkpoint": {"stall_ratio_vs_deepspeed": (">=", 50.0), "stall_ratio_vs_deepspeed_idle_cores": (">=", 20.0),
+                         "e2e_overhead": ("<=", 1.05), "e2e_overhead_idle_cores": ("<=", 1.05),
+                         "write_bw_ratio": (">=", 0.8), "write_bw_ratio_idle_cores": (">=", 0.8)},
     "bench_optim_convergence": {"loss_ratio_stage2": ("<=", 1.02), "loss_ratio_stage3_cpu_offload": ("<=", 1.02)},
     "bench_activations": {"saved_bytes_ratio": ("<=", 0.30), "peak_mem_ratio": ("<=", 0.50),
                           "step_time_ratio": ("<=", 1.15), "real_grad_rel_l2": ("<=", 0.03),
@@ -75,9 +78,23 @@ def table_markdown(results_dir: Path = RESULTS) -> str:
 def _row(name: str, result: dict, key: str, value: float, target: tuple[str, float]) -> str:
     comparison, bound = target
     met = "yes" if _COMPARE[comparison](value, bound) else "**no**"
+    measured = f"{value:.4g}"
+    interval = result.get("intervals", {}).get(key)  # benchmarks/interval_stats.py, as a dict
+    if interval is not None:
+        measured, met = _with_interval(interval, comparison, bound, met)
     file = f"[{name}](results/{name}.json){' (quick)' if result.get('quick') else ''}"
-    return (f"| {file} | `{key}` | {comparison} {bound:g} | {value:.4g} | {met} | "
+    return (f"| {file} | `{key}` | {comparison} {bound:g} | {measured} | {met} | "
             f"{machine_summary(result.get('machine', {}))} | {result.get('date', '')} |")
+
+
+def _with_interval(interval: dict, comparison: str, bound: float, met: str) -> tuple[str, str]:
+    """(measured, met) cells for a figure with a 95% interval. An unresolved ratio is a lower bound:
+    it meets a '>=' target only when the bound itself does; otherwise whether it is met is unknown."""
+    if not interval["resolved"]:
+        reached = comparison == ">=" and interval["value"] >= bound
+        return f">= {interval['value']:.3g} (unresolved)", "yes" if reached else "**unresolved**"
+    high = "inf" if interval["high"] is None else f"{interval['high']:.3g}"
+    return f"{interval['value']:.4g} ({interval['low']:.3g}-{high})", met
 
 
 def machine_summary(machine: dict) -> str:

@@ -119,3 +119,17 @@ def test_keep_last_deletes_older_committed_checkpoints_and_keeps_latest(tmp_path
     assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step3", "step4"]
     assert read_latest(tmp_path) == "step4"
     verify_checkpoint(tmp_path / "step3")
+
+
+def test_commit_figures_count_the_background_threads_cpu_and_the_waits(tmp_path):
+    """bench_checkpoint reports these beside the wall-clock stall: they do not drift with the host."""
+    engine = _engine()
+    state = {"w": torch.randn(8 * 2**20)}  # 32 MiB to hash and write: well over the clocks' 10 ms tick
+    _save(engine, tmp_path, "step1", state)
+    engine.before_optimizer_step()
+    engine.wait()
+    first = engine.last_commit
+    assert first["tag"] == "step1" and first["slot_wait_s"] < 0.05
+    assert 0.01 <= first["background_cpu_s"] <= 4 * first["queued_to_committed_s"] + 0.02
+    assert 0 <= first["step_wait_s"] <= first["queued_to_committed_s"]
+    engine.close()

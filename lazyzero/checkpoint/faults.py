@@ -2,7 +2,9 @@
 
 `LAZYZERO_FAILPOINT=NAME[@RANK][#N]`: the process SIGKILLs itself the N-th time (default 1st) it
 reaches failpoint NAME, only on global rank RANK when given. A kill, not an exception: nothing gets
-a chance to clean up, exactly as a power cut or the OOM killer leaves it.
+a chance to clean up, exactly as a power cut or the OOM killer leaves it. With
+`LAZYZERO_FAILPOINT_SIGNAL=SIGSTOP` it stops itself instead: alive, holding its connections, and
+silent, as a rank stuck in the kernel or under a debugger (docs/reliability.md, guarantee 5).
 
 `LAZYZERO_IO_FAULT=OP:N[:ERRNO][@RANK]`: the N-th checkpoint I/O call of kind OP (write, fsync,
 rename) in this process raises OSError(ERRNO) (default ENOSPC, "disk full"); N counts from 1.
@@ -45,7 +47,7 @@ def _split_rank(spec: str) -> tuple[str, int | None]:
 
 
 def failpoint(name: str) -> None:
-    """SIGKILL this process if LAZYZERO_FAILPOINT selects `name` here and now."""
+    """SIGKILL (or LAZYZERO_FAILPOINT_SIGNAL) this process if LAZYZERO_FAILPOINT selects `name` here and now."""
     assert name in FAILPOINTS, name
     spec = os.environ.get("LAZYZERO_FAILPOINT")
     if not spec:
@@ -58,7 +60,14 @@ def failpoint(name: str) -> None:
         _reached[name] += 1
         hit = _reached[name] == int(nth)
     if hit:
-        os.kill(os.getpid(), signal.SIGKILL)
+        os.kill(os.getpid(), _failpoint_signal())
+
+
+def _failpoint_signal() -> signal.Signals:
+    name = os.environ.get("LAZYZERO_FAILPOINT_SIGNAL", "SIGKILL")
+    if name not in ("SIGKILL", "SIGSTOP"):
+        raise ValueError(f"LAZYZERO_FAILPOINT_SIGNAL: got {name!r}; allowed: 'SIGKILL', 'SIGSTOP'")
+    return getattr(signal, name)
 
 
 def io_fault(op: str, path: str) -> None:

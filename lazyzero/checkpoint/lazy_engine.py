@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo, CheckpointEngine
 
+from lazyzero.checkpoint.background_clocks import BackgroundClocks
 from lazyzero.checkpoint.commit import (
     WrittenFile,
     commit_on_rank0,
@@ -51,6 +52,7 @@ from lazyzero.checkpoint.snapshot import (
 )
 from lazyzero.checkpoint.staged_io import StagingBlocks
 from lazyzero.checkpoint.verified_read import VerifiedFiles
+from lazyzero.config.models import DistributedConfig
 
 
 class CheckpointFailedError(RuntimeError):
@@ -72,6 +74,8 @@ class PendingCheckpoint:
     done: threading.Event = field(default_factory=threading.Event)
     timings: dict = field(default_factory=dict)  # perf_counter marks: queued, copied, written, committed
     step_wait_s: float = 0.0  # how long optimizer steps (or a load) waited for this snapshot
+    slot_wait_s: float = 0.0  # how long its save waited for a free buffer slot (an older checkpoint)
+    background_cpu_start_s: float = 0.0  # CPU clock of the background threads when it was queued
 
     def write(self, files: list[FileSnapshot], pool: ThreadPoolExecutor, blocks: StagingBlocks) -> None:
         """Write some of this checkpoint's files into its temporary folder (the middle of its first
@@ -81,9 +85,11 @@ class PendingCheckpoint:
 
 
 class LazyCheckpointEngine(CheckpointEngine):
-    """One per engine (rank). `config` is the validated `lazyzero.checkpoint` section."""
+    """One per engine (rank). `config` is the validated `lazyzero.checkpoint` section; `timeout` bounds the
+    flush threads' collectives (`lazyzero.distributed.timeout_s`)."""
 
-    def __init__(self, config, rank: int, world_size: int, on_cuda: bool, verified: VerifiedFiles | None = None):
+    def __init__(self, config, rank: int, world_size: int, on_cuda: bool, verified: VerifiedFiles | None = None,
+                 timeout: timedelta | None = None):
         super().__init__(None)
         self.verified = verified if verified is not None else VerifiedFiles()
         self.name = "LazyCheckpointEngine"
@@ -93,7 +99,7 @@ class LazyCheckpointEngine(CheckpointEngine):
         self._free_slots: queue.Queue[HostBuffers] = queue.Queue()
         for _ in range(config.max_in_flight):
             self._free_slots.put(HostBuffers(budget, pin=on_cuda))
-        self._group = _side_group(world_size)
+        self._group = _side_group(world_size, timeout)
         self._pending: list[PendingCheckpoint] = []
         self._current: PendingCheckpoint | None = None
         self._errors: list[str] = []
@@ -101,8 +107,9 @@ class LazyCheckpointEngine(CheckpointEngine):
         self._cleaned_dirs: set[Path] = set()
         self._copy_queue: queue.Queue = queue.Queue()
         self._flush_queue: queue.Queue = queue.Queue()
+        self._background_clocks = BackgroundClocks()
         self._writers = ThreadPoolExecutor(config.writer_threads, thread_name_prefix="lazyzero-ckpt-writer",
-                                           initializer=_lower_priority)
+                                           initializer=self._start_background_thread)
         self._staging = StagingBlocks(budget)
         self._side_stream = torch.cuda.Stream() if on_cuda else None
         self._threads = [threading.Thread(target=self._copy_loop, name="lazyzero-ckpt-copy", daemon=True),
@@ -118,14 +125,16 @@ class LazyCheckpointEngine(CheckpointEngine):
         """Before DeepSpeed's save: report earlier failures, clean leftovers once, take a buffer slot."""
         self.raise_failures()
         self.clean_leftovers(save_dir, barrier)
+        started = time.perf_counter()
         slot = self._take_slot()
+        slot_wait_s = time.perf_counter() - started
         try:
             self.raise_failures()  # the checkpoint whose end freed the slot may have failed
         except CheckpointFailedError:
             self._free_slots.put(slot)
             raise
         self._current = PendingCheckpoint(tag="", save_dir=Path(save_dir), save_latest=save_latest,
-                                          global_steps=global_steps, slot=slot)
+                                          global_steps=global_steps, slot=slot, slot_wait_s=slot_wait_s)
 
     def abandon(self) -> None:
         """DeepSpeed's save raised before `commit`: drop the half-built snapshot, free its slot."""
@@ -214,6 +223,7 @@ class LazyCheckpointEngine(CheckpointEngine):
         with self._lock:
             self._pending.append(checkpoint)
         checkpoint.timings["queued"] = time.perf_counter()
+        checkpoint.background_cpu_start_s = self._background_clocks.seconds()
         self._start_copies(checkpoint)
         self._flush_queue.put(checkpoint)
         return True
@@ -263,8 +273,12 @@ class LazyCheckpointEngine(CheckpointEngine):
         if checkpoint.cuda_copies is not None:
             checkpoint.cuda_copies.synchronize()
 
-    def _copy_loop(self) -> None:
+    def _start_background_thread(self) -> None:
+        self._background_clocks.register_current()
         _lower_priority()
+
+    def _copy_loop(self) -> None:
+        self._start_background_thread()
         while (checkpoint := self._copy_queue.get()) is not None:
             try:
                 check_free_space(temp_dir(checkpoint.save_dir, checkpoint.tag), bytes_to_write(checkpoint.files))
@@ -280,7 +294,7 @@ class LazyCheckpointEngine(CheckpointEngine):
             checkpoint.copies_done.set()
 
     def _flush_loop(self) -> None:
-        _lower_priority()
+        self._start_background_thread()
         while (checkpoint := self._flush_queue.get()) is not None:
             error = None
             try:
@@ -344,7 +358,10 @@ class LazyCheckpointEngine(CheckpointEngine):
                     # from the save: snapshot taken (the step may go on) / every file of this rank durable
                     "copy_s": marks["copied"] - marks["queued"],
                     "write_s": marks["written"] - marks["queued"],
-                    "step_wait_s": checkpoint.step_wait_s,
+                    "step_wait_s": checkpoint.step_wait_s, "slot_wait_s": checkpoint.slot_wait_s,
+                    # CPU seconds of the copy, flush and writer threads from the save to the commit
+                    # (with two checkpoints in flight, the older one's tail is counted here too)
+                    "background_cpu_s": self._background_clocks.seconds() - checkpoint.background_cpu_start_s,
                     "queued_to_committed_s": marks["committed"] - marks["queued"]}
             self._pending.remove(checkpoint)
         checkpoint.files, checkpoint.written = [], []  # drop references to live tensors and buffers
@@ -366,12 +383,17 @@ class LazyCheckpointEngine(CheckpointEngine):
         return box[0]
 
 
-def _side_group(world_size: int):
+def _side_group(world_size: int, timeout: timedelta | None):
     """A gloo group of all ranks for the flush threads, so their agreement never interleaves with
-    training collectives (NCCL or gloo) on the main thread. Created collectively at engine setup."""
+    training collectives (NCCL or gloo) on the main thread. Created collectively at engine setup.
+    `timeout` is the job's (`lazyzero.distributed.timeout_s`, its default when None): a peer that died
+    or was stopped makes the agreement raise after it, and the checkpoint fails uncommitted
+    (docs/reliability.md, guarantee 5)."""
     if world_size <= 1 or not torch.distributed.is_initialized():
         return None
-    return torch.distributed.new_group(backend="gloo", timeout=timedelta(minutes=30))
+    if timeout is None:
+        timeout = timedelta(seconds=DistributedConfig().timeout_s)
+    return torch.distributed.new_group(backend="gloo", timeout=timeout)
 
 
 def _lower_priority() -> None:

@@ -11,6 +11,7 @@ from lazyzero.config.memory import parse_memory_size
 from lazyzero.config.models import (
     ActivationsConfig,
     CheckpointConfig,
+    DistributedConfig,
     GradientsConfig,
     LazyZeroConfig,
     OptimizerConfig,
@@ -23,6 +24,7 @@ from lazyzero.config.validate import check_config_file, load_ds_config_file, val
 __all__ = [
     "ActivationsConfig",
     "CheckpointConfig",
+    "DistributedConfig",
     "GradientsConfig",
     "LazyZeroConfig",
     "LazyZeroConfigError",

@@ -288,6 +288,16 @@ class CheckpointConfig(ConfigSection):
     (lazyzero/safe_load.py). Loading such a file runs code it names: only for folders you trust."""
 
 
+class DistributedConfig(ConfigSection):
+    """How long a rank waits for the others: the job's collectives, with or without any capability on."""
+
+    timeout_s: float = Field(300.0, ge=1)
+    """Seconds any collective (training, the lazy checkpoints' agreement) may wait for the other ranks before it
+    raises and this rank exits non-zero: a rank that died or was stopped (SIGSTOP) ends the job after this long
+    instead of DeepSpeed's 30 minutes (docs/reliability.md, guarantee 5). Set it above the longest time one rank can
+    keep the others waiting in a collective (a native op build on first use, a non-lazy save of a large model)."""
+
+
 # The capabilities, each switched by its section's `enabled`, in the order they are reported.
 FEATURES = ("plan", "activations", "gradients", "optimizer", "checkpoint")
 
@@ -313,6 +323,9 @@ class LazyZeroConfig(ConfigSection):
 
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     """Lazy checkpoints."""
+
+    distributed: DistributedConfig = Field(default_factory=DistributedConfig)
+    """The ranks' collectives."""
 
     def enabled_features(self) -> list[str]:
         """Names of the capabilities switched on, in the order of `FEATURES` (empty: plain DeepSpeed)."""

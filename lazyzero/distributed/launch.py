@@ -3,6 +3,8 @@ planner's engine calibration share (deepspeed's launcher or Open MPI's mpirun, g
 
 from __future__ import annotations
 
+import contextlib
+
 
 def free_port() -> int:
     """A TCP port that is free right now on localhost, for a test's rendezvous."""
@@ -45,6 +47,8 @@ def run_distributed(launcher: str, nprocs: int, argv: list[str], timeout: float 
     """Run `argv` on `nprocs` real ranks and return the CompletedProcess (stdout and stderr merged).
     `env`: variables added to the ranks' environment (e.g. LAZYZERO_FAILPOINT).
 
+    The launcher starts in a session of its own; past `timeout` (or on an interrupt) its whole process
+    group is ended, not the launcher alone, so that no rank is left behind, and TimeoutExpired is raised.
     Removes the shared-memory files DeepSpeed's CPU all-reduce leaves behind (`shm_segments.py`),
     which would otherwise fill /dev/shm over a test session."""
     import subprocess
@@ -54,10 +58,34 @@ def run_distributed(launcher: str, nprocs: int, argv: list[str], timeout: float 
     port = free_port()
     cmd = launch_command(launcher, nprocs, argv, launcher_args, port)
     try:
-        return subprocess.run(cmd, env={**distributed_env(), **(env or {})}, cwd=cwd, timeout=timeout, text=True,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        with subprocess.Popen(cmd, env={**distributed_env(), **(env or {})}, cwd=cwd, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True) as process:
+            try:
+                output, _ = process.communicate(timeout=timeout)
+            except BaseException:
+                _end_process_group(process)
+                raise
+        return subprocess.CompletedProcess(cmd, process.returncode, output)
     finally:
         remove_leftover_segments(port)
+
+
+def _end_process_group(process, grace_s: float = 10.0) -> None:
+    """SIGTERM the launcher's process group, then SIGKILL what is left of it after `grace_s`. The
+    deepspeed launcher's ranks are in that group (a stopped one only dies of the SIGKILL); mpirun's
+    run in sessions of their own and only mpirun's SIGTERM handler ends them (a SIGKILLed mpirun
+    leaves them running), so the launcher gets the grace to do it."""
+    import os
+    import signal
+    import subprocess
+
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGTERM)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        process.communicate(timeout=grace_s)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGKILL)
+    process.communicate()
 
 
 def run_deepspeed_nodes(nodes: int, ranks_per_node: int, argv: list[str], timeout: float = 600, cwd=None):

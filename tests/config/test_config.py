@@ -219,7 +219,8 @@ def test_assignment_is_validated_too():
 BAD_CONFIGS = [
     # typos at every depth
     ({"gradeints": {}}, "lazyzero.gradeints",
-     "unknown key; allowed keys: activations, checkpoint, gradients, optimizer, plan; did you mean 'gradients'?"),
+     "unknown key; allowed keys: activations, checkpoint, distributed, gradients, optimizer, plan; "
+     "did you mean 'gradients'?"),
     ({"plan": {"gpu_memory": "1GB"}}, "lazyzero.plan.gpu_memory", "did you mean 'gpu_mem'?"),
     ({"activations": {"overides": {}}}, "lazyzero.activations.overides", "did you mean 'overrides'?"),
     ({"checkpoint": {"keep_lsat": 2}}, "lazyzero.checkpoint.keep_lsat",
@@ -231,7 +232,7 @@ BAD_CONFIGS = [
     ({"plan": {"strict": True}}, "lazyzero.plan.strict",
      "unknown key; allowed keys: allow_8bit_optimizer, allow_recompute"),
     # wrong types
-    ([], "lazyzero", "allowed: an object with keys activations, checkpoint, gradients, optimizer, plan"),
+    ([], "lazyzero", "allowed: an object with keys activations, checkpoint, distributed, gradients, optimizer, plan"),
     (None, "lazyzero", "got null; allowed: an object with keys activations"),
     ({"plan": True}, "lazyzero.plan",
      "allowed: an object with keys allow_8bit_optimizer, allow_recompute, allowed_bits"),
@@ -280,6 +281,7 @@ BAD_CONFIGS = [
      "got nothing; allowed: an existing directory this process can write to when a layer of "
      "lazyzero.activations.offload_layers is 'nvme'"),
     ({"checkpoint": {"max_in_flight": 0}}, "lazyzero.checkpoint.max_in_flight", "got 0; allowed: an integer >= 1"),
+    ({"distributed": {"timeout_s": 0.5}}, "lazyzero.distributed.timeout_s", "got 0.5; allowed: a number >= 1"),
     ({"gradients": {"enabled": "int8"}}, "lazyzero.gradients.enabled", "got 'int8'; allowed: true or false"),
     ({"optimizer": {"type": "AdamW8bit"}}, "lazyzero.optimizer.type",
      "got 'AdamW8bit'; allowed: one of 'adamw8bit', 'adam8bit'"),

@@ -135,8 +135,8 @@ def test_misspelled_section_is_rejected_with_a_suggestion(section):
     with pytest.raises(LazyZeroConfigError) as caught:
         validate_ds_config({"lazyzero": {typo: {}}})
     assert caught.value.problems == [
-        f"lazyzero.{typo}: unknown key; allowed keys: activations, checkpoint, gradients, optimizer, plan; "
-        f"did you mean {section!r}?"]
+        f"lazyzero.{typo}: unknown key; allowed keys: activations, checkpoint, distributed, gradients, optimizer, "
+        f"plan; did you mean {section!r}?"]
 
 
 # A rejection is "<key path>: got <value>; allowed..." or "<key path>: unknown key; allowed keys: ...".

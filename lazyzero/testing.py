@@ -83,6 +83,16 @@ TOLERANCES = {
     # own mean is the reference. A wrong shift or mask is off by percents.
     "fused_loss_vs_transformers": 1e-5,
     "zero3_vs_whole_model_grad": 1e-5,
+    # Mean of the last 10 training losses with every capability on (planner, 8-bit activations, int8
+    # gradients with error feedback, 8-bit Adam, lazy checkpoints) over plain DeepSpeed's: demo model
+    # from scratch, 60 steps, same data and seed (tests/engine/test_all_features_convergence.py).
+    # The plan follows this machine's measurements, so which layers store 8-bit activations varies:
+    # measured 1.059 (all six layers at 8 bits) and 1.027 (four layers), 1.034 after 40 steps; the last
+    # 5 losses alone: 1.018 and 1.009. The loss still falls about 1.5% a step there (0.93 to 0.78
+    # over the last 10 steps), so 6% is a run 3 to 4 steps behind; the bound allows about 6 steps.
+    # It cannot see a small loss of quality, only a capability that slows or stops learning (plain
+    # DeepSpeed goes from 5.1 to 0.82 in these 60 steps).
+    "every_feature_vs_deepspeed_loss": 1.10,
     # Planner (tests/planner): MILP objective against brute force, and its predicted step time
     # against the simulator replaying its schedule. CBC meets constraints to about 1e-7 of the
     # (GB, second) scaled rows; a mis-modelled window or byte count is off by percents.

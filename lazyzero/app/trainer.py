@@ -229,7 +229,7 @@ def load_training_inputs(args: argparse.Namespace) -> TrainingInputs:
     from lazyzero.models import build_model
 
     _share_cpu_cores()
-    torch.manual_seed(args.seed)
+    _seed_every_generator(args.seed)
     tokenizer = load_tokenizer(args.tokenizer, model=args.model)
     train_set, eval_problems = _build_datasets(args, tokenizer)
     model = build_model(args.model, family=args.family, vocab_size=tokenizer.vocab_size,
@@ -239,6 +239,19 @@ def load_training_inputs(args: argparse.Namespace) -> TrainingInputs:
     model.config.bos_token_id, model.config.eos_token_id = tokenizer.bos_id, tokenizer.eos_id
     model.config.pad_token_id = tokenizer.pad_id
     return TrainingInputs(tokenizer, train_set, eval_problems, model)
+
+
+def _seed_every_generator(seed: int) -> None:
+    """torch's, numpy's and Python's global generators, as they are saved with lazy checkpoints: two
+    runs with one --seed, and a resumed one, then hold the same states step by step (docs/reliability.md,
+    guarantee 3). Unseeded, numpy and Python's `random` start from OS entropy in every process."""
+    import random
+
+    import numpy as np
+
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
 
 
 def _share_cpu_cores() -> None:

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 from pathlib import Path
 
+import numpy as np
 import torch
 from deepspeed import comm as dist
 from deepspeed.utils import logger
@@ -16,13 +18,14 @@ from lazyzero.checkpoint.lazy_engine import LazyCheckpointEngine
 from lazyzero.checkpoint.manifest import CheckpointDamagedError, resolve_tag_to_load, verify_checkpoint
 from lazyzero.checkpoint.rank_state import load_rank_state, rank_state_document, rank_state_path
 from lazyzero.checkpoint.verified_read import VerifiedFiles
+from lazyzero.distributed.job_failure import collective_timeout
 from lazyzero.patch_point import PatchRefused, replace_method
 
 
 def lazy_checkpoint_engine(engine, verified: VerifiedFiles) -> LazyCheckpointEngine:
     return LazyCheckpointEngine(engine.lazyzero_config.checkpoint, rank=dist.get_rank(),
                                 world_size=dist.get_world_size(), on_cuda=engine.device.type == "cuda",
-                                verified=verified)
+                                verified=verified, timeout=collective_timeout(engine.lazyzero_config))
 
 
 def route_deepspeed_loads(engine, verified: VerifiedFiles) -> None:
@@ -124,7 +127,17 @@ def restore_rank_state(engine, tag_dir: str) -> None:
 
 
 def rng_state() -> dict:
-    state = {"cpu": torch.get_rng_state()}
+    """Every generator a training loop draws from: torch's (CPU and CUDA), numpy's global one and
+    Python's `random`, which data pipelines and augmentations use (docs/reliability.md, guarantee 3).
+    numpy's and Python's states are kept as tensors and numbers, which load with weights_only."""
+    numpy_state = np.random.get_state(legacy=False)
+    version, python_state, gauss_next = random.getstate()
+    state = {"cpu": torch.get_rng_state(),
+             "numpy": {"key": torch.from_numpy(numpy_state["state"]["key"].astype(np.int64)),
+                       "pos": numpy_state["state"]["pos"], "has_gauss": numpy_state["has_gauss"],
+                       "gauss": numpy_state["gauss"]},
+             "python": {"version": version, "state": torch.tensor(python_state, dtype=torch.int64),
+                        "gauss_next": gauss_next}}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
@@ -134,3 +147,11 @@ def restore_rng_state(state: dict) -> None:
     torch.set_rng_state(state["cpu"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
+    if "numpy" in state:  # absent from checkpoints written before numpy's and Python's states were kept
+        saved = state["numpy"]
+        np.random.set_state({"bit_generator": "MT19937",
+                             "state": {"key": saved["key"].numpy().astype(np.uint32), "pos": saved["pos"]},
+                             "has_gauss": saved["has_gauss"], "gauss": saved["gauss"]})
+    if "python" in state:
+        saved = state["python"]
+        random.setstate((saved["version"], tuple(saved["state"].tolist()), saved["gauss_next"]))

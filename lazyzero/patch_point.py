@@ -41,19 +41,49 @@ _STAGE3 = "deepspeed.runtime.zero.stage3:DeepSpeedZeroOptimizer_Stage3"
 _STAGE12 = "deepspeed.runtime.zero.stage_1_and_2:DeepSpeedZeroOptimizer"
 
 
+# The DeepSpeed releases lazyzero is tested with, lowest and highest (pyproject.toml declares the same
+# range; docs/deepspeed-internals.md, "Supported DeepSpeed versions", says what differs and how to test one).
+TESTED_DEEPSPEED = ("0.19.7", "0.19.8")
+
+
 @dataclass(frozen=True)
 class PatchPoint:
     """One DeepSpeed attribute lazyzero may change. `target` is "module:Qualified.attribute";
-    `parameters` names the original callable's parameters without self (None: not callable)."""
+    `parameters` names the original callable's parameters without self (None: not callable), as in the
+    highest tested DeepSpeed; `other_versions` gives (version, parameters) for tested releases where
+    the original takes others."""
 
     target: str
     kind: str
     parameters: tuple[str, ...] | None
     why: str
+    other_versions: tuple[tuple[str, tuple[str, ...]], ...] = ()
 
     @property
     def attribute(self) -> str:
         return self.target.partition(":")[2].rpartition(".")[2]
+
+    def parameters_in(self, version: str) -> tuple[str, ...] | None:
+        """The original's parameters in DeepSpeed `version`."""
+        return dict(self.other_versions).get(version, self.parameters)
+
+
+_STAGE3_PARAMETERS = (
+    "module", "init_optimizer", "param_names", "timers", "ds_config", "static_loss_scale", "dynamic_loss_scale",
+    "dynamic_loss_args", "verbose", "contiguous_gradients", "reduce_bucket_size", "prefetch_bucket_size",
+    "max_reuse_distance", "max_live_parameters", "param_persistence_threshold", "model_persistence_threshold",
+    "dp_process_group", "reduce_scatter", "overlap_comm", "offload_optimizer_config", "offload_param_config",
+    "zenflow_config", "sub_group_size", "offload_ratio", "mpu", "clip_grad", "gradient_accumulation_dtype",
+    "communication_data_type", "fp16_master_weights_and_gradients", "bf16_master_weights_and_gradients",
+    "bf16_optimizer_states", "postscale_gradients", "gradient_predivide_factor", "gradient_accumulation_steps",
+    "elastic_checkpoint", "aio_config", "all2all_process_group", "zero_hpz_partition_size", "zero_quantized_weights",
+    "zero_quantized_nontrainable_weights", "zero_module_granularity_threshold", "log_trace_cache_warnings",
+    "enable_sanity_checks", "cpuadam_cores_perc", "save_muon_momentum_buffer_in_memory")
+
+
+def _inserted_after(names: tuple[str, ...], anchor: str, name: str) -> tuple[str, ...]:
+    at = names.index(anchor) + 1
+    return names[:at] + (name,) + names[at:]
 
 
 _STEP_GUARD = "int8 gradients: an overflow seen by any rank skips the step on every rank (gradients/zero_hooks.py)"
@@ -93,20 +123,11 @@ PATCH_POINTS: tuple[PatchPoint, ...] = (
                ("swap_config", "aio_config", "base_folder", "optimizer", "largest_numel", "device", "dtype",
                 "timers"),
                "8-bit optimizer states swap to NVMe packed (optimizer/nvme_swap.py)"),
-    PatchPoint(_STAGE3, SWAP,
-               ("module", "init_optimizer", "param_names", "timers", "ds_config", "static_loss_scale",
-                "dynamic_loss_scale", "dynamic_loss_args", "verbose", "contiguous_gradients", "reduce_bucket_size",
-                "prefetch_bucket_size", "max_reuse_distance", "max_live_parameters", "param_persistence_threshold",
-                "model_persistence_threshold", "dp_process_group", "reduce_scatter", "overlap_comm",
-                "offload_optimizer_config", "offload_param_config", "zenflow_config", "sub_group_size",
-                "offload_ratio", "mpu", "clip_grad", "gradient_accumulation_dtype", "communication_data_type",
-                "fp16_master_weights_and_gradients", "bf16_master_weights_and_gradients", "bf16_optimizer_states",
-                "postscale_gradients", "gradient_predivide_factor", "gradient_accumulation_steps",
-                "elastic_checkpoint", "aio_config", "all2all_process_group", "zero_hpz_partition_size",
-                "zero_quantized_weights", "zero_quantized_nontrainable_weights", "zero_module_granularity_threshold",
-                "log_trace_cache_warnings", "enable_sanity_checks", "cpuadam_cores_perc",
-                "save_muon_momentum_buffer_in_memory"),
-               "the engine builds TieredZeroOptimizer_Stage3 for a per-layer placement (plan/zero_placement.py)"),
+    PatchPoint(_STAGE3, SWAP, _STAGE3_PARAMETERS,
+               "the engine builds TieredZeroOptimizer_Stage3 for a per-layer placement (plan/zero_placement.py)",
+               # 0.19.7 also takes ZeRO++ LoCo's setting; the tiered builder hands every argument on as given.
+               other_versions=(("0.19.7", _inserted_after(_STAGE3_PARAMETERS, "zero_module_granularity_threshold",
+                                                          "zeropp_loco_param")),)),
     PatchPoint("deepspeed.runtime.zero.partition_parameters:Init._partition_param", SWAP,
                ("param", "buffer", "has_been_updated", "free_data"),
                "only the placed parameters' partitions go to NVMe at conversion (plan/zero_placement.py)"),
@@ -237,9 +258,10 @@ def route_function(module, name: str, new: Callable, *, owner: str) -> None:
         if route == (owner, new):
             return
         raise PatchRefused(f"{owner} routes {point.target}, already routed by {route[0]}: undo that first")
-    if original_parameters(current) != point.parameters:
+    expected = point.parameters_in(deepspeed.__version__)
+    if original_parameters(current) != expected:
         raise PatchRefused(f"{point.target} takes {original_parameters(current)} in DeepSpeed {deepspeed.__version__}; "
-                           f"lazyzero expects {point.parameters}: install a DeepSpeed version lazyzero supports")
+                           f"lazyzero expects {expected}: install a DeepSpeed version lazyzero supports")
     _check_parameters(point, new)
 
     # functools.wraps keeps DeepSpeed's name, docstring and signature on what callers see, and the
@@ -285,15 +307,19 @@ def resolve_target(target: str):
 
 
 def original_parameters(value) -> tuple[str, ...]:
-    """Parameter names of a DeepSpeed callable without self, looking through functools.wraps wrappers
-    and `instrument_w_nvtx`, which wraps without functools.wraps (its closure holds the original)."""
+    """Parameter names of a DeepSpeed callable without self (see `original_callable`)."""
+    names = tuple(inspect.signature(original_callable(value)).parameters)
+    return names[1:] if names[:1] == ("self",) else names
+
+
+def original_callable(value):
+    """A DeepSpeed callable as DeepSpeed wrote it, looking through functools.wraps wrappers and
+    `instrument_w_nvtx`, which wraps without functools.wraps (its closure holds the original)."""
     while True:
         value = inspect.unwrap(value)  # functools.wraps wrappers (a profiler's, a test's spy)
         if getattr(value, "__code__", None) is None or value.__code__.co_freevars != ("func",):
-            break
+            return value
         value = value.__closure__[0].cell_contents
-    names = tuple(inspect.signature(value).parameters)
-    return names[1:] if names[:1] == ("self",) else names
 
 
 def deepspeed_internals_problems() -> list[str]:
@@ -313,9 +339,9 @@ def deepspeed_internals_problems() -> list[str]:
                 problems.append(f"{point.target}: not a list in DeepSpeed {deepspeed.__version__}")
         elif not callable(value):
             problems.append(f"{point.target}: not callable in DeepSpeed {deepspeed.__version__}")
-        elif original_parameters(value) != point.parameters:
+        elif original_parameters(value) != point.parameters_in(deepspeed.__version__):
             problems.append(f"{point.target}: takes {original_parameters(value)} in DeepSpeed "
-                            f"{deepspeed.__version__}; lazyzero expects {point.parameters}")
+                            f"{deepspeed.__version__}; lazyzero expects {point.parameters_in(deepspeed.__version__)}")
     return problems
 
 
@@ -351,9 +377,9 @@ def _point_on_object(obj, name: str, kind: str) -> PatchPoint:
 
 
 def _check_parameters(point: PatchPoint, new: Callable) -> None:
-    names = tuple(inspect.signature(new).parameters)
-    if names != point.parameters:
-        raise PatchRefused(f"the replacement of {point.target} takes {names}; DeepSpeed's takes {point.parameters}")
+    names, expected = tuple(inspect.signature(new).parameters), point.parameters_in(deepspeed.__version__)
+    if names != expected:
+        raise PatchRefused(f"the replacement of {point.target} takes {names}; DeepSpeed's takes {expected}")
 
 
 def _declaring_class(cls: type, point: PatchPoint) -> type:

@@ -36,10 +36,17 @@ def native_ops() -> list[str]:
 
 
 def deepspeed_internals() -> list[str]:
-    from lazyzero.patch_point import PATCH_POINTS, deepspeed_internals_problems
+    import deepspeed
+    from packaging.version import Version
+
+    from lazyzero.patch_point import PATCH_POINTS, TESTED_DEEPSPEED, deepspeed_internals_problems
 
     problems = deepspeed_internals_problems()
-    return problems or [f"ok: all {len(PATCH_POINTS)} declared patch points match"]
+    lowest, highest = TESTED_DEEPSPEED
+    tested = Version(lowest) <= Version(deepspeed.__version__) <= Version(highest)
+    where = "inside" if tested else "outside"
+    return (problems or [f"ok: all {len(PATCH_POINTS)} declared patch points match"]) + [
+        f"DeepSpeed {deepspeed.__version__}: {where} the tested range {lowest} to {highest}"]
 
 
 def nvme_offload() -> list[str]:

@@ -9,11 +9,15 @@ bit (tests/engine/test_engine_equivalence.py).
 from __future__ import annotations
 
 from deepspeed.runtime.engine import DeepSpeedEngine
+from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 from deepspeed.utils.logging import print_dist
 
 from lazyzero.config import LazyZeroConfig
 from lazyzero.engine.features import FeatureSet, LoadRequest
 from lazyzero.engine.monitor_metrics import write_step_metrics
+
+_ZERO_OPTIMIZERS = (DeepSpeedZeroOptimizer, DeepSpeedZeroOptimizer_Stage3)
 
 
 class LazyZeroEngine(DeepSpeedEngine):
@@ -85,9 +89,14 @@ class LazyZeroEngine(DeepSpeedEngine):
         if not self.lazyzero_features.any("replaces_clip_pass", self):
             super().clip_fp32_gradients()
 
-    def _take_model_step(self, lr_kwargs):
+    def _take_model_step(self, lr_kwargs, *block_eigenvalue):
+        # DeepSpeed 0.19.7 also passes block_eigenvalue when its eigenvalue option is on; 0.19.8 has neither.
+        if self.lazyzero_config.enabled_features() and isinstance(self.optimizer, _ZERO_OPTIMIZERS):
+            # A skip lazyzero decided (int8 overflow, non-finite fused norm) ends with its step: 0.19.8's
+            # ZeRO optimizers clear `overflow` when their step starts, 0.19.7's only when they check fp16 overflow.
+            self.optimizer.overflow = False
         self.lazyzero_features.call("before_model_step", self)
-        return super()._take_model_step(lr_kwargs)
+        return super()._take_model_step(lr_kwargs, *block_eigenvalue)
 
     def step(self, lr_kwargs=None):
         steps_before = self.global_steps

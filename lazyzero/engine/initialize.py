@@ -47,6 +47,7 @@ def initialize(
     from deepspeed.runtime import zero
     from deepspeed.runtime.config import DeepSpeedConfig
 
+    from lazyzero.distributed.job_failure import apply_to_every_group, collective_timeout, end_job_on_uncaught_error
     from lazyzero.distributed.shm_segments import release_own_segment_name
     from lazyzero.engine.engine import LazyZeroEngine
     from lazyzero.engine.features import FeatureSet
@@ -58,8 +59,9 @@ def initialize(
     zero.partition_parameters.shutdown_init_context()
     dist.init_distributed(dist_backend=get_accelerator().communication_backend_name(),
                           distributed_port=_rendezvous_port(distributed_port, TORCH_DISTRIBUTED_DEFAULT_PORT),
-                          dist_init_required=dist_init_required)
+                          dist_init_required=dist_init_required, timeout=collective_timeout(lazyzero_config))
     release_own_segment_name(dist)
+    end_job_on_uncaught_error(collective_timeout(lazyzero_config))
     # Settings that depend on the number of ranks (e.g. gradients.ranks_per_node) can only be
     # checked now; still before any engine state or file exists.
     validate_ds_config(ds_config, world_size=dist.get_world_size())
@@ -85,7 +87,11 @@ def initialize(
                             collate_fn=collate_fn, config=ds_config, mesh_device=mesh_device,
                             config_class=config_class, lazyzero_config=lazyzero_config, features=features)
     zero.partition_parameters.restore_init_context()
-    engine._configure_python_gc()
+    # DeepSpeed's own groups (ZeRO's) were created with torch's 30-minute default (distributed/job_failure.py).
+    apply_to_every_group(collective_timeout(lazyzero_config))
+    # DeepSpeed's initialize sets up its garbage-collection option from 0.19.8 on; 0.19.7's engine has no such step.
+    if hasattr(engine, "_configure_python_gc"):
+        engine._configure_python_gc()
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
 
 
@@ -128,10 +134,10 @@ def _check_deepspeed_internals(lazyzero_config) -> None:
     instead of deep inside a training step. With every capability off nothing is changed."""
     if not lazyzero_config.enabled_features():
         return
-    from lazyzero.patch_point import deepspeed_internals_problems
+    from lazyzero.patch_point import TESTED_DEEPSPEED, deepspeed_internals_problems
 
     problems = deepspeed_internals_problems()
     if problems:
         raise RuntimeError("lazyzero cannot run on this DeepSpeed: " + "; ".join(problems)
-                           + ". Install a DeepSpeed version lazyzero supports (pyproject.toml), or switch the "
-                           "lazyzero capabilities off")
+                           + ". Install a DeepSpeed version lazyzero is tested with ({} to {}), or switch the "
+                           "lazyzero capabilities off".format(*TESTED_DEEPSPEED))

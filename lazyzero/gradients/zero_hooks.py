@@ -1,4 +1,4 @@
-"""Where int8 gradients enter DeepSpeed 0.19.8: one replacement per ZeRO stage, installed on instances.
+"""Where int8 gradients enter DeepSpeed (0.19.7-0.19.8): one replacement per ZeRO stage, installed on instances.
 
 Each replacement is bound to one engine's objects (instance attributes shadow the class methods),
 so other engines in the process, and every engine with `gradients.enabled: false`, run
@@ -192,7 +192,8 @@ def _install_stage1_and_2(optimizer, exchange: GradientExchange) -> None:
         world_size = dist.get_world_size(group)
         if not optimizer.reduce_scatter:
             tensor.copy_(exchange.all_reduce(tensor, group, full_reduction_scale(optimizer, world_size)))
-            optimizer._add_full_reduction_to_compact_grad_partition(tensor, communication_data_type)
+            if _keeps_compact_grad_partition(optimizer):
+                optimizer._add_full_reduction_to_compact_grad_partition(tensor, communication_data_type)
             return
         scale = optimizer.sequence_parallel_size / world_size if optimizer.gradient_average else 1.0
         slices = owner_slices(optimizer, bucket)
@@ -209,11 +210,20 @@ def _install_stage1_and_2(optimizer, exchange: GradientExchange) -> None:
 def _store_owned_slice(optimizer, bucket_slice, values, group_index: int, rank: int, param_id: int) -> None:
     """Where DeepSpeed's `reduce` to the owner leaves its result: in the bucket, or added to the
     compact fp32 partition buffer when the optimizer keeps one (low-precision model, fp32 grads)."""
-    output = optimizer._get_compact_grad_partition_slice(group_index, rank, param_id, values.numel())
+    output = None
+    if _keeps_compact_grad_partition(optimizer):
+        output = optimizer._get_compact_grad_partition_slice(group_index, rank, param_id, values.numel())
     if output is None:
         bucket_slice.copy_(values)
     else:
         output.add_(values.to(output.dtype))
+
+
+def _keeps_compact_grad_partition(optimizer) -> bool:
+    """DeepSpeed 0.19.8 adds reduced owner slices to a compact fp32 partition buffer (low-precision
+    model, fp32 gradients); 0.19.7 has no such buffer and leaves every reduced slice in the bucket
+    (docs/deepspeed-internals.md, "Supported DeepSpeed versions")."""
+    return hasattr(optimizer, "_get_compact_grad_partition_slice")
 
 
 # ----------------------------------------------------------------------------------- stage 0

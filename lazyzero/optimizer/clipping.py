@@ -122,7 +122,12 @@ def install_on_stage_1_2(zero_optimizer) -> None:
         return _stage_1_2_norm(zero_optimizer)
 
     def unscale_and_clip_grads(grad_groups_flat, total_norm):
-        _set_grad_scale(zero_optimizer, grad_scale_for(total_norm, zero_optimizer.loss_scale, zero_optimizer.clip_grad))
+        scale = grad_scale_for(total_norm, zero_optimizer.loss_scale, zero_optimizer.clip_grad)
+        _set_grad_scale(zero_optimizer, scale)
+        if not math.isfinite(scale) and (zero_optimizer.dtype != torch.bfloat16 or zero_optimizer.check_grad_overflow):
+            # Where DeepSpeed 0.19.8 skips a non-finite norm itself before this call (0.19.7 does not):
+            # the engine reads `overflow` after the step, counts it skipped and holds the LR.
+            zero_optimizer.overflow = True
 
     replace_method(zero_optimizer, "scaled_global_norm", scaled_global_norm, owner=_OWNER)
     replace_method(zero_optimizer, "unscale_and_clip_grads", unscale_and_clip_grads, owner=_OWNER)
@@ -135,7 +140,12 @@ def install_on_stage_3(zero_optimizer) -> None:
         return [_stage_3_norm(zero_optimizer)]
 
     def unscale_and_clip_grads(sub_group_id, total_norm):
-        _set_grad_scale(zero_optimizer, grad_scale_for(total_norm, zero_optimizer.loss_scale, zero_optimizer.clip_grad))
+        scale = grad_scale_for(total_norm, zero_optimizer.loss_scale, zero_optimizer.clip_grad)
+        _set_grad_scale(zero_optimizer, scale)
+        if not math.isfinite(scale):
+            # DeepSpeed 0.19.8 skips a non-finite norm before this call; 0.19.7 checks only fp16
+            # overflow. The engine reads `overflow` after the step, counts it skipped, holds the LR.
+            zero_optimizer.overflow = True
 
     replace_method(zero_optimizer, "_get_norm_groups", get_norm_groups, owner=_OWNER, over_override=_OVER_TIERED_NORM)
     replace_method(zero_optimizer, "unscale_and_clip_grads", unscale_and_clip_grads, owner=_OWNER)

@@ -14,19 +14,25 @@ import torch
 from deepspeed.runtime.zero import stage3, utils
 from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+from packaging.version import Version
 
+from lazyzero.checkpoint.lazy_engine import LazyCheckpointEngine
+from lazyzero.engine.engine import LazyZeroEngine
 from lazyzero.optimizer import clipping
+from lazyzero.optimizer.nvme_swap import EightBitStateSwapper
 from lazyzero.patch_point import (
     EXTEND,
     PATCH_POINTS,
     REPLACE,
     ROUTE,
     SWAP,
+    TESTED_DEEPSPEED,
     WRAP,
     PatchRefused,
     applied_patches,
     deepspeed_internals_problems,
     extend_list,
+    original_callable,
     original_parameters,
     replace_method,
     resolve_target,
@@ -59,7 +65,41 @@ def test_each_declared_attribute_exists_in_the_installed_deepspeed_as_declared(p
         assert isinstance(value, list) and point.parameters is None
     else:
         assert callable(value)
-        assert original_parameters(value) == point.parameters
+        assert original_parameters(value) == point.parameters_in(deepspeed.__version__)
+
+
+def test_the_tested_deepspeed_range_is_the_one_pyproject_declares_and_names_every_other_version():
+    requirement = next(line.strip().strip('",') for line in (PACKAGE.parent / "pyproject.toml").read_text().splitlines()
+                       if line.strip().startswith('"deepspeed'))
+    lowest, highest = TESTED_DEEPSPEED
+    assert requirement == f"deepspeed>={lowest},<={highest}"
+    for point in PATCH_POINTS:
+        for version, _ in point.other_versions:
+            assert Version(lowest) <= Version(version) < Version(highest), (point.target, version)
+
+
+SUBCLASSES = (LazyZeroEngine, LazyCheckpointEngine, TieredZeroOptimizer_Stage3, EightBitStateSwapper)
+POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+
+
+@pytest.mark.parametrize("subclass", SUBCLASSES, ids=lambda cls: cls.__name__)
+def test_every_override_in_a_lazyzero_subclass_accepts_the_arguments_of_the_installed_deepspeeds_method(subclass):
+    """DeepSpeed calls an override as it calls its own method, whose parameters may change between the
+    tested versions (0.19.7's engine passes `_take_model_step` a second argument). Constructors are
+    left out: lazyzero calls its own with its own arguments."""
+    overridden = 0
+    for name, override in vars(subclass).items():
+        base = next((cls for cls in subclass.__mro__[1:] if name in vars(cls)
+                     and cls.__module__.startswith("deepspeed.")), None)
+        if not inspect.isfunction(override) or name == "__init__" or base is None:
+            continue
+        parameters = inspect.signature(original_callable(vars(base)[name])).parameters.values()
+        positional = [None for parameter in parameters if parameter.kind in POSITIONAL]
+        keywords = {parameter.name: None for parameter in parameters
+                    if parameter.kind == inspect.Parameter.KEYWORD_ONLY}
+        inspect.signature(original_callable(override)).bind(*positional, **keywords)
+        overridden += 1
+    assert overridden
 
 
 def test_the_internals_check_passes_here_and_names_a_changed_signature_with_the_version(monkeypatch):

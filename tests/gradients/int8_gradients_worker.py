@@ -122,9 +122,17 @@ def averaged_gradient(engine) -> torch.Tensor:
     Gathering it reduces full-size tensors at stages 1/2; those reductions are the test's, not
     training's, so they are not measured."""
     measuring["on"] = False
-    gradient = torch.cat([safe_get_full_grad(p).reshape(-1).float() for p in engine.module.parameters()])
+    gradient = torch.cat([full_gradient(p).reshape(-1).float() for p in engine.module.parameters()])
     measuring["on"] = True
     return gradient
+
+
+def full_gradient(param) -> torch.Tensor:
+    """DeepSpeed's BF16_Optimizer keeps every parameter's reduced fp32 gradient on every rank in
+    `_hp_grad`, which DeepSpeed 0.19.8's safe_get_full_grad reads; 0.19.7's returns the parameter's
+    unreduced bf16 `grad` instead."""
+    hp_grad = getattr(param, "_hp_grad", None)
+    return hp_grad if hp_grad is not None else safe_get_full_grad(param)
 
 
 def residual_norm(engine) -> float | None:

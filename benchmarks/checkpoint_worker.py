@@ -8,11 +8,13 @@ Usage (under the deepspeed launcher, 2 ranks):
 Scenarios (benchmarks/README.md, "bench_checkpoint"):
 - `busy_cores`: every step is a real forward, backward and optimizer step on the batch; the ranks'
   threads keep every core busy (a CPU-only run).
-- `idle_cores`: the host a GPU run has. The forward and backward the accelerator would compute are
-  a sleep of their measured time (the real batch's forward and backward minus the short batch's,
-  measured in the warm-up of the run's first launch, given to the others by `--accelerator-s`);
-  the engine still runs a real forward and backward of a short batch and its real optimizer step
-  on the host (as ZeRO-Offload does), so the state changes every step and every engine path runs.
+- `idle_cores`: the host a GPU run has. The forward and backward the accelerator computes are a
+  sleep of their measured time (the real batch's, median of the warm-up steps of the run's first
+  launch, given to the others by `--accelerator-s`), during which the host's cores are idle; the
+  engine still runs a real forward and backward of a short batch and its real optimizer step on
+  the host, so the state changes every step and every engine path runs. On this CPU-only machine
+  that host share (ZeRO-3's gathers and reductions, the optimizer) is most of a real step, so the
+  cores are idle for about half of each step: a host busier than a GPU run's.
 A block is `interval` steps; a block "with" starts with save_checkpoint and, for lazyzero, ends
 with wait_for_checkpoints (timed: whatever the checkpoint has left to do is charged to it). Pairs
 alternate (with, without), (without, with), ... so that a drift of the step time cancels. Before
@@ -130,22 +132,19 @@ class Trainer:
         return time.perf_counter() - start
 
     def measure_accelerator_time(self, given_s: float | None) -> dict:
-        """Warm-up: time forward and backward on both batch lengths; the accelerator's share is the
-        difference (the short batch's own cost stays real in the idle_cores steps). `given_s`, the
-        first engine's measurement, is used when given: every engine of a run sleeps the same."""
-        timed = {}
-        for short in (False, True):
-            seconds = []
-            for _ in range(COMPUTE_SAMPLES):
-                seconds.append(self.forward_backward(short))
-                self.engine.step()
-                self.steps_done += 1
-            timed["short" if short else "full"] = statistics.median(seconds)
-        # Every rank sleeps the same time: the slowest rank's difference, as a collective step would.
-        difference = torch.tensor([max(timed["full"] - timed["short"], 0.0)])
-        dist.all_reduce(difference, op=dist.ReduceOp.MAX)
-        self.accelerator_s = float(difference) if given_s is None else given_s
-        return {"forward_backward_s": timed, "measured_accelerator_s": float(difference),
+        """Warm-up: the median time of forward and backward on the real batch, what the accelerator
+        computes in the idle_cores scenario. `given_s`, the first engine's measurement, is used when
+        given: every engine of a run sleeps the same."""
+        seconds = []
+        for _ in range(COMPUTE_SAMPLES):
+            seconds.append(self.forward_backward(short=False))
+            self.engine.step()
+            self.steps_done += 1
+        # Every rank sleeps the same time: the slowest rank's, as a collective step would.
+        measured = torch.tensor([statistics.median(seconds)])
+        dist.all_reduce(measured, op=dist.ReduceOp.MAX)
+        self.accelerator_s = float(measured) if given_s is None else given_s
+        return {"forward_backward_s": seconds, "measured_accelerator_s": float(measured),
                 "accelerator_s": self.accelerator_s}
 
     def block(self, scenario: str, steps: int, save_dir: Path | None = None, tag: str | None = None) -> dict:

@@ -8,7 +8,7 @@ use, so that `lazyzero config check` stays fast (docs/architecture.md).
 __version__ = "0.1.0"
 
 __all__ = ["initialize", "patch_deepspeed", "unpatch_deepspeed", "LazyZeroEngine", "LazyZeroConfig",
-           "LazyZeroConfigError", "__version__"]
+           "LazyZeroConfigError", "TrainerLogsCallback", "__version__"]
 
 
 def initialize(args=None, model=None, optimizer=None, model_parameters=None, training_data=None, lr_scheduler=None,
@@ -51,6 +51,10 @@ def __getattr__(name):
         from lazyzero.engine.engine import LazyZeroEngine
 
         return LazyZeroEngine
+    if name == "TrainerLogsCallback":  # imports transformers
+        from lazyzero.engine.trainer_logs import TrainerLogsCallback
+
+        return TrainerLogsCallback
     if name in ("LazyZeroConfig", "LazyZeroConfigError"):
         from lazyzero import config
 

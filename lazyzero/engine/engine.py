@@ -8,6 +8,8 @@ bit (tests/engine/test_engine_equivalence.py).
 
 from __future__ import annotations
 
+import weakref
+
 from deepspeed.runtime.engine import DeepSpeedEngine
 from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
@@ -18,6 +20,15 @@ from lazyzero.engine.features import FeatureSet, LoadRequest
 from lazyzero.engine.monitor_metrics import write_step_metrics
 
 _ZERO_OPTIMIZERS = (DeepSpeedZeroOptimizer, DeepSpeedZeroOptimizer_Stage3)
+# Engines of this process, oldest first, for code that the trainers call without the engine
+# (trainer_logs.py): weak, so that a destroyed engine is not kept alive.
+_LIVE_ENGINES: list[weakref.ref] = []
+
+
+def newest_engine() -> LazyZeroEngine | None:
+    """The most recently built LazyZeroEngine of this process that still exists."""
+    _LIVE_ENGINES[:] = [ref for ref in _LIVE_ENGINES if ref() is not None]
+    return _LIVE_ENGINES[-1]() if _LIVE_ENGINES else None
 
 
 class LazyZeroEngine(DeepSpeedEngine):
@@ -32,6 +43,7 @@ class LazyZeroEngine(DeepSpeedEngine):
         self.lazyzero_features.call("check_engine_arguments", kwargs.get("optimizer"), kwargs.get("config_class"))
         super().__init__(*args, **kwargs)
         self.lazyzero_features.call("attach", self)
+        _LIVE_ENGINES.append(weakref.ref(self))
         on = lazyzero_config.enabled_features()
         print_dist(f"lazyzero: features on: {', '.join(on) if on else 'none'}", ranks=[0])
 

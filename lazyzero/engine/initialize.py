@@ -73,6 +73,7 @@ def initialize(
             ds_config, lazyzero_config = prepared.pop("ds_config"), prepared.pop("lazyzero_config")
             inputs.update(prepared)
     features = FeatureSet(lazyzero_config, **inputs)
+    _check_nvme_room(ds_config, model, dist.get_world_size())
     mesh_device = _mesh_device(dist, ds_config, mesh_param)
     deepspeed.merge_tp_model_init_into_config(ds_config, mpu, mesh_param, dist)
     config_class = DeepSpeedConfig(ds_config, mpu, mesh_device=mesh_device)
@@ -104,6 +105,17 @@ def _resolve_config(args: Any, config: Optional[Union[str, dict]]) -> dict:
     if config is None:
         raise ValueError("no DeepSpeed config: pass config=PATH_OR_DICT or args.deepspeed_config")
     return dict(config) if isinstance(config, dict) else load_ds_config_file(config)
+
+
+def _check_nvme_room(ds_config: dict, model, world_size: int) -> None:
+    """Refuse, before DeepSpeed creates a swap file, NVMe folders without room for them (config/nvme_space.py)."""
+    from lazyzero.config.errors import LazyZeroConfigError
+    from lazyzero.config.nvme_space import nvme_swap_problems, ranks_on_this_node
+
+    parameters = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
+    problems = nvme_swap_problems(ds_config, parameters, world_size, ranks_on_this_node(world_size))
+    if problems:
+        raise LazyZeroConfigError(problems)
 
 
 def _rendezvous_port(requested: Optional[int], default: int) -> int:

@@ -2,7 +2,8 @@
 tests/app/test_trainers.py on 2 CPU ranks (`deepspeed --num_gpus 2`).
 
 Arguments: OUT_DIR DS_CONFIG [STEPS [resume]]. Rank 0 writes OUT_DIR/result.json: the engine's class,
-the lazyzero metrics of every step, the losses (and the step of each), the checkpoint folders the
+the lazyzero metrics of every step, the losses (and the step of each), the Trainer's log entries (with
+the lazyzero metrics `TrainerLogsCallback` adds), the checkpoint folders the
 Trainer left, and with "resume" the folder it resumed from (`resume_from_checkpoint=True`). Every save
 is followed by a check, on rank 0, that some committed checkpoint folder exists (`committed_at_save`).
 """
@@ -64,7 +65,8 @@ def main() -> None:
                              save_steps=2, save_total_limit=1, logging_steps=1, report_to=[], seed=0,
                              dataloader_num_workers=0, disable_tqdm=True)
     recorder, checker = RecordLazyZeroMetrics(), CheckCommittedAfterSave()
-    trainer = Trainer(model=model, args=args, train_dataset=train_set, callbacks=[recorder, checker])
+    trainer = Trainer(model=model, args=args, train_dataset=train_set,
+                      callbacks=[recorder, checker, lazyzero.TrainerLogsCallback()])
     recorder.trainer = trainer
     resumed_from = trainer_module.get_last_checkpoint(args.output_dir) if resume else None  # what train() picks
     trainer.train(resume_from_checkpoint=True if resume else None)
@@ -75,6 +77,7 @@ def main() -> None:
                   "features": engine.lazyzero_config.enabled_features(), "metrics": recorder.steps,
                   "losses": [entry["loss"] for entry in trainer.state.log_history if "loss" in entry],
                   "loss_steps": [entry["step"] for entry in trainer.state.log_history if "loss" in entry],
+                  "logged": [entry for entry in trainer.state.log_history if "loss" in entry],
                   "resumed_from": resumed_from and Path(resumed_from).name,
                   "committed_at_save": checker.committed_at_save,
                   "checkpoints": sorted(p.name for p in Path(args.output_dir).glob("checkpoint-*")),

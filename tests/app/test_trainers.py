@@ -66,6 +66,12 @@ def test_hf_trainer_builds_a_lazyzero_engine_with_every_feature_on(hf_trainer_ru
     # save_total_limit 1: the newest, and the one before it when the newest was still being written at
     # rotation (an uncommitted folder does not count toward the limit: docs/checkpoint.md, "Under the Trainer").
     assert result["checkpoints"] in ([f"checkpoint-{STEPS}"], [f"checkpoint-{STEPS - 1}", f"checkpoint-{STEPS}"])
+    # TrainerLogsCallback: every log entry of the Trainer's history holds the step's lazyzero metrics.
+    assert [entry["step"] for entry in result["logged"]] == list(range(1, STEPS + 1))
+    for entry, recorded in zip(result["logged"], result["metrics"]):
+        assert all(f"lazyzero/{key}" in entry for key in EVERY_STEP), entry
+        assert entry["lazyzero/grad_wire_bytes"] == recorded["grad_wire_bytes"]  # the same on every rank
+    assert all(result["logged"][-1][f"lazyzero/{key}"] > 0 for key in NONZERO), result["logged"][-1]
 
 
 @pytest.mark.multiproc

@@ -105,6 +105,7 @@ def test_missing_gguf_reader_and_missing_file_are_named(monkeypatch, tmp_path):
         build_model(str(missing))
 
 
+@pytest.mark.slow  # 40 s; the default suite loads and steps SmolLM2 in the tests above
 @pytest.mark.multiproc
 def test_zero3_step_with_tied_embeddings_matches_the_whole_model(tmp_path):
     _require_wheel()

@@ -77,7 +77,10 @@ def full_run(tmp_path_factory):
 # and its running product differ in the last bit, so it also checks the bias-correction replay.
 @pytest.mark.multiproc
 @needs_libaio
-@pytest.mark.parametrize("resume_step", [4, pytest.param(12, marks=pytest.mark.slow)])
+# Both slow (the shared full run takes a minute): NVMe swapping itself is in the default suite
+# (tests/engine/test_nvme_offload.py, tests/optimizer/test_nvme_8bit.py).
+@pytest.mark.slow
+@pytest.mark.parametrize("resume_step", [4, 12])
 def test_resume_from_nvme_checkpoint_repeats_the_losses_bit_for_bit(full_run, resume_step, tmp_path):
     save_dir, full_losses = full_run
     resume_dir = tmp_path / "save"

@@ -44,6 +44,7 @@ def _losses(output_dir: Path) -> list[float]:
     return [json.loads(line)["loss"] for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.slow  # 30 s; kills mid-save in the default suite: test_crash_failpoints.py
 @pytest.mark.multiproc
 def test_stage3_run_killed_mid_checkpoint_resumes_on_the_same_trajectory(tmp_path):
     config = _config(tmp_path, 3)
@@ -73,7 +74,7 @@ def test_stage3_run_killed_mid_checkpoint_resumes_on_the_same_trajectory(tmp_pat
     pytest.param(2, False, SAVE_AT, marks=pytest.mark.slow),
     # CPU Adam's bias correction after a resume differs in the last bit at step 13 unless its beta
     # powers are replayed (lazyzero/checkpoint/nvme_restore.py): resume at 12 checks that.
-    (3, True, 12)])
+    pytest.param(3, True, 12, marks=pytest.mark.slow)])  # 28 s; default-suite resume: test_train_entry.py
 def test_resume_from_lazy_checkpoint_is_exact(tmp_path, stage, offload, save_at):
     config = _config(tmp_path, stage, offload)
     full = _train(config, tmp_path / "full", tmp_path / "full_ckpt", "--save-every", str(save_at), save_at=save_at)

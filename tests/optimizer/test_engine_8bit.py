@@ -129,6 +129,7 @@ def check_lr_restored(result: dict, lr: float) -> None:
     assert result["lrs"] and all(value == lr for value in result["lrs"]), result["lrs"]
 
 
+@pytest.mark.slow  # 19 s; the re-split over a whole run: test_resplit_training.py (slow)
 def test_reload_on_a_different_number_of_ranks_resplits_the_states(default_run):
     """2 ranks -> 1 on ZeRO-2, ZeRO-3 and ZeRO-3 with CPU offload (sub-groups of 3000 elements, so
     their edges move too), then the ZeRO-3 save of that 1-rank run -> 2 ranks (a rank with no files

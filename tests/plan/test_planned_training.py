@@ -64,6 +64,7 @@ def plan_file(tmp_path: Path, layers: list[LayerPlan]) -> Path:
     return path
 
 
+@pytest.mark.slow  # 42 s; the README's main job is a planned run that re-plans
 @pytest.mark.multiproc
 def test_a_given_plan_is_realized_and_measured_then_replanned(tmp_path):
     layers = [LayerPlan("keep", 4, "nvme", "gpu", "gpu", True),       # layer 0: 4-bit, offloaded

@@ -3,7 +3,6 @@ the bytes needed and the bytes free, on every rank; training goes on (docs/relia
 The filesystem is a real tmpfs of 64 KiB that the checkpoint (about 280 KB per rank) would overfill."""
 
 import json
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -11,18 +10,6 @@ import pytest
 from lazyzero.testing import run_distributed
 
 WORKER = Path(__file__).resolve().parent / "full_disk_worker.py"
-
-
-@pytest.fixture
-def small_filesystem(tmp_path):
-    mount_point = tmp_path / "small"
-    mount_point.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mount_point)],
-                             capture_output=True, text=True)
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here (needs root): {mounted.stderr.strip()}")
-    yield mount_point
-    subprocess.run(["umount", str(mount_point)], check=True)
 
 
 @pytest.mark.multiproc

@@ -2,7 +2,6 @@
 naming the key, the folder, the bytes needed and free (docs/reliability.md, guarantee 4). The small
 filesystem is a real 64 KiB tmpfs."""
 
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -11,18 +10,6 @@ from lazyzero.config.nvme_space import nvme_swap_problems, ranks_on_this_node
 from lazyzero.testing import run_distributed
 
 WORKER = Path(__file__).resolve().parent / "nvme_space_worker.py"
-
-
-@pytest.fixture
-def small_filesystem(tmp_path):
-    mount_point = tmp_path / "small"
-    mount_point.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mount_point)],
-                             capture_output=True, text=True)
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here (needs root): {mounted.stderr.strip()}")
-    yield mount_point
-    subprocess.run(["umount", str(mount_point)], check=True)
 
 
 def _config(folder, optimizer="AdamW", **extra) -> dict:

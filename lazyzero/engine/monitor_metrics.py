@@ -46,15 +46,21 @@ def monitor_events(metrics: dict[str, float], step: int) -> list[tuple[str, floa
     return [(PREFIX + key, value, step) for key, value in metrics.items()]
 
 
-def write_step_metrics(engine, metrics: dict) -> None:
-    """Write one optimizer step's metrics through `engine.monitor` (a collective: every rank calls it)."""
+def reduced_over_ranks(metrics: dict) -> dict[str, float]:
+    """This rank's numeric `metrics` and every other rank's, one value per key (a collective: every
+    rank calls it)."""
     import torch.distributed
 
     mine = numeric_metrics(metrics)
-    if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
-        gathered = [None] * torch.distributed.get_world_size()
-        torch.distributed.all_gather_object(gathered, mine)
-    else:
-        gathered = [mine]
+    if not (torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1):
+        return mine
+    gathered = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(gathered, mine)
+    return reduce_over_ranks(gathered)
+
+
+def write_step_metrics(engine, metrics: dict) -> None:
+    """Write one optimizer step's metrics through `engine.monitor` (a collective: every rank calls it)."""
+    reduced = reduced_over_ranks(metrics)
     if engine.global_rank == 0:
-        engine.monitor.write_events(monitor_events(reduce_over_ranks(gathered), engine.global_steps))
+        engine.monitor.write_events(monitor_events(reduced, engine.global_steps))

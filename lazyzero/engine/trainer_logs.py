@@ -14,7 +14,7 @@ from __future__ import annotations
 from transformers import TrainerCallback
 
 from lazyzero.engine.engine import newest_engine
-from lazyzero.engine.monitor_metrics import PREFIX, numeric_metrics, reduce_over_ranks
+from lazyzero.engine.monitor_metrics import PREFIX, reduced_over_ranks
 
 
 class TrainerLogsCallback(TrainerCallback):
@@ -25,19 +25,7 @@ class TrainerLogsCallback(TrainerCallback):
         engine = newest_engine()
         if engine is None or logs is None:
             return
-        values = {PREFIX + key: value for key, value in reduced_step_metrics(engine).items()}
+        values = {PREFIX + key: value for key, value in reduced_over_ranks(engine.lazyzero_step_metrics()).items()}
         logs.update(values)
         if state.log_history and state.log_history[-1].get("step") == state.global_step:
             state.log_history[-1].update(values)  # the entry the Trainer appended just before the callbacks
-
-
-def reduced_step_metrics(engine) -> dict[str, float]:
-    """This step's numeric lazyzero metrics, every rank's reduced to one value per key."""
-    import torch.distributed
-
-    mine = numeric_metrics(engine.lazyzero_step_metrics())
-    if not (torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1):
-        return mine
-    gathered = [None] * torch.distributed.get_world_size()
-    torch.distributed.all_gather_object(gathered, mine)
-    return reduce_over_ranks(gathered)

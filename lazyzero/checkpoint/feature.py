@@ -101,6 +101,7 @@ class CheckpointFeature:
     def step_metrics(self, engine) -> dict:
         """This rank's figures of the newest committed checkpoint: `checkpoint_tag`, `checkpoint_bytes`
         (`checkpoint_direct_bytes` of them serialized straight from training's memory),
+        `checkpoint_host_bytes` (the host buffers and staging blocks it holds since),
         `checkpoint_copy_s` (from `save_checkpoint` returning to the snapshot taken),
         `checkpoint_step_wait_s` (what optimizer steps waited for it), `checkpoint_write_s` (to this
         rank's files durable) and `checkpoint_commit_s` (to the commit)."""
@@ -108,7 +109,8 @@ class CheckpointFeature:
         if commit is None:
             return {}
         return dict(checkpoint_tag=commit["tag"], checkpoint_bytes=commit["bytes"],
-                    checkpoint_direct_bytes=commit["direct_bytes"], checkpoint_step_wait_s=commit["step_wait_s"],
+                    checkpoint_direct_bytes=commit["direct_bytes"], checkpoint_host_bytes=commit["host_bytes"],
+                    checkpoint_step_wait_s=commit["step_wait_s"],
                     checkpoint_copy_s=commit["copy_s"], checkpoint_write_s=commit["write_s"],
                     checkpoint_commit_s=commit["queued_to_committed_s"])
 

@@ -47,6 +47,7 @@ from lazyzero.checkpoint.snapshot import (
     HostBuffers,
     run_copies,
     snapshot_file,
+    snapshot_host_bytes,
     snapshot_state,
     start_device_copies,
 )
@@ -95,7 +96,7 @@ class LazyCheckpointEngine(CheckpointEngine):
         self.name = "LazyCheckpointEngine"
         self.config = config
         self.rank, self.world_size, self.on_cuda = rank, world_size, on_cuda
-        budget = BufferBudget(config.host_buffer_limit)
+        budget = self._budget = BufferBudget(config.host_buffer_limit)
         self._free_slots: queue.Queue[HostBuffers] = queue.Queue()
         for _ in range(config.max_in_flight):
             self._free_slots.put(HostBuffers(budget, pin=on_cuda))
@@ -118,6 +119,11 @@ class LazyCheckpointEngine(CheckpointEngine):
             thread.start()
         # This rank's figures of the newest committed checkpoint (bytes it wrote, seconds).
         self.last_commit: dict | None = None
+
+    @property
+    def holds_snapshot_memory(self) -> bool:
+        """Whether a snapshot has taken host buffers or staging blocks (kept from then on)."""
+        return self._budget.used_bytes > 0
 
     # --- called by LazyZeroEngine around DeepSpeed's save ---------------------------------------
 
@@ -362,11 +368,21 @@ class LazyCheckpointEngine(CheckpointEngine):
                     # CPU seconds of the copy, flush and writer threads from the save to the commit
                     # (with two checkpoints in flight, the older one's tail is counted here too)
                     "background_cpu_s": self._background_clocks.seconds() - checkpoint.background_cpu_start_s,
+                    # host buffers and staging blocks held since, and what the planner predicts for them
+                    "host_bytes": self._budget.used_bytes, "host_bytes_bound": self._host_bytes_bound(checkpoint),
                     "queued_to_committed_s": marks["committed"] - marks["queued"]}
             self._pending.remove(checkpoint)
         checkpoint.files, checkpoint.written = [], []  # drop references to live tensors and buffers
         self._free_slots.put(checkpoint.slot)
         checkpoint.done.set()
+
+    def _host_bytes_bound(self, checkpoint: PendingCheckpoint) -> int:
+        """The most host memory a snapshot of these files holds (snapshot_host_bytes, the formula the
+        planner predicts it with)."""
+        files = checkpoint.files
+        return snapshot_host_bytes(sum(f.nbytes - f.live_nbytes for f in files), sum(f.nbytes for f in files),
+                                   len(files), self._staging.block_bytes, self.config.host_buffer_limit,
+                                   self.config.max_in_flight)
 
     def _all_gather(self, status: dict) -> list[dict]:
         if self._group is None:

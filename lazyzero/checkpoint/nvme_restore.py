@@ -35,7 +35,7 @@ def restore_nvme_offloaded_state(engine, load_dir: str, tag: str) -> None:
     Call after `DeepSpeedEngine.load_checkpoint` has copied the swap files back (it needs them), on
     every rank, with the same `load_dir` and `tag`.
     """
-    from lazyzero.plan.zero_placement import check_checkpoint_tiers
+    from lazyzero.checkpoint.sub_group_tiers import check_checkpoint_tiers
 
     zero_optimizer = engine.optimizer
     saved = _own_zero_state_dict(engine, load_dir, tag)

@@ -84,6 +84,17 @@ class HostBuffers:
         return buffer
 
 
+def snapshot_host_bytes(copied_bytes: int, written_bytes: int, files: int, block_bytes: int,
+                        limit_bytes: int | None = None, max_in_flight: int = 1) -> int:
+    """The most host memory a lazy checkpoint's snapshot holds, from its first save on (docs/checkpoint.md,
+    "Memory"): per in-flight checkpoint, a `HostBuffers` buffer for every copied byte (device tensors,
+    views, NVMe swap files) and, since a copy outpaces the disk, a staging block for every byte the
+    files hold (`written_bytes`, copied ones included) plus one partly filled block per file; all of
+    it at most `limit_bytes` (`BufferBudget`). Both are kept for the next checkpoint, never freed."""
+    held = max_in_flight * (copied_bytes + written_bytes + files * block_bytes)
+    return held if limit_bytes is None else min(held, limit_bytes)
+
+
 class BufferBudget:
     """Host bytes held by snapshot buffers, against the configured limit (None: no limit)."""
 

@@ -77,8 +77,20 @@ def _with_overhead(costs, per_layer_s: float, per_step_s: float):
                    bwd_s=max(0.0, costs.bwd_s + 2 * per_layer_s / 3))
 
 
+def predicted_compute_peak(problem: PlanProblem, plan: Plan, snapshot_taken: bool = True) -> float:
+    """The plan's predicted peak of the compute memory over steps measured before the first lazy
+    checkpoint (`snapshot_taken` False: its snapshot memory is not held yet) or after it (the
+    plan's own peak, the larger one)."""
+    peak = plan.predicted_peak_bytes["gpu"]
+    if snapshot_taken or problem.host_tier() != "gpu":
+        return peak
+    return peak - problem.snapshot_held(plan.layers)
+
+
 def calibrated_problem(problem: PlanProblem, plan: Plan, measured_step_s: float,
-                       measured_peak_bytes: float) -> PlanProblem:
+                       measured_peak_bytes: float, snapshot_taken: bool = True) -> PlanProblem:
+    """`snapshot_taken`: whether a lazy checkpoint's snapshot memory was held while the peak was
+    measured (it is predicted from the plan either way, so only the rest moves the workspace)."""
     if measured_step_s <= 0 or plan.predicted_step_s <= 0:
         raise ValueError(f"step times must be > 0, got measured {measured_step_s!r}, "
                          f"predicted {plan.predicted_step_s!r}")
@@ -88,7 +100,8 @@ def calibrated_problem(problem: PlanProblem, plan: Plan, measured_step_s: float,
                    for c in problem.layers)
     machine: Machine = replace(problem.machine, cpu_adam_s_per_byte=problem.machine.cpu_adam_s_per_byte * speed,
                                gpu_adam_s_per_byte=problem.machine.gpu_adam_s_per_byte * speed)
-    workspace = max(0, round(problem.workspace_bytes + measured_peak_bytes - plan.predicted_peak_bytes["gpu"]))
+    predicted_peak = predicted_compute_peak(problem, plan, snapshot_taken)
+    workspace = max(0, round(problem.workspace_bytes + measured_peak_bytes - predicted_peak))
     return replace(problem, layers=layers, machine=machine, workspace_bytes=workspace,
                    fixed_placements=tuple(lp.placement for lp in plan.layers))
 

@@ -275,8 +275,23 @@ def _resident(problem: PlanProblem, v: _Variables, tier: str) -> mip.Var:
     total = v.model.add_var(f"resident[{tier}]")
     v.model.add_constr(total == mip.xsum(
         (c.param_bytes * (p.param_tier == tier) + c.state_bytes(p.state_8bit) * (p.state_tier == tier)) / GB * x
-        for c, place in zip(problem.layers, v.place) for p, x in place.items()), name=f"resident[{tier}]")
+        for c, place in zip(problem.layers, v.place) for p, x in place.items())
+        + (_snapshot(problem, v) if tier == problem.host_tier() else 0), name=f"resident[{tier}]")
     return total
+
+
+def _snapshot(problem: PlanProblem, v: _Variables):
+    """GB a lazy checkpoint's snapshot holds from its first save on (problem.SnapshotMemory). Under
+    `host_buffer_limit` the least of the limit and the largest snapshot any placement gives: a
+    constant, as a minimum would not be linear."""
+    if problem.snapshot is None:
+        return 0
+    if problem.snapshot.limit_bytes is not None:
+        largest = problem.snapshot_other_bytes() + sum(max(problem.snapshot_layer_bytes(i, p) for p in place)
+                                                       for i, place in enumerate(v.place))
+        return min(largest, problem.snapshot.limit_bytes) / GB
+    return problem.snapshot_other_bytes() / GB + mip.xsum(
+        problem.snapshot_layer_bytes(i, p) / GB * x for i, place in enumerate(v.place) for p, x in place.items())
 
 
 def _host_optimizer(problem: PlanProblem, v: _Variables, i: int):

@@ -7,7 +7,9 @@ step and whatever the training loop does in between, as a user sees it), median 
 `plan.measure_steps` steps after the first (which creates the optimizer state and warms caches); and
 the peak of the compute memory over those steps: the resident set's high-water mark on a machine
 without a GPU (reset after the first step), CUDA's max allocated bytes otherwise. Every rank measures;
-the slowest step time and largest peak over the ranks are compared, so all ranks decide alike.
+the slowest step time and largest peak over the ranks are compared, so all ranks decide alike. The
+plan's peak includes lazy checkpoints' snapshot memory; before the first checkpoint it is compared
+less that memory (`calibrate.predicted_compute_peak`).
 
 A new plan can change only what the running engine can change: the activation choices (width,
 recompute, offload per layer). Placements of parameters and optimizer state are fixed once DeepSpeed
@@ -22,6 +24,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from lazyzero.plan.calibrate import predicted_compute_peak
 from lazyzero.plan.host_memory import peak_resident_bytes, reset_peak_resident
 
 # A run re-plans at most this often: each new plan is measured again, and a model that keeps missing
@@ -39,6 +42,9 @@ class PlanCheck:
     predicted_peak_bytes: float
     measured_peak_bytes: float
     replanned: bool
+    snapshot_taken: bool = False
+    """Whether a lazy checkpoint's snapshot memory was held (from the first save on): the
+    prediction compared is the plan's peak with it, else without it (calibrate.predicted_compute_peak)."""
 
     @property
     def step_time_error(self) -> float:
@@ -89,16 +95,19 @@ class PlanMonitor:
 
     def _compare(self, engine) -> PlanCheck:
         durations = [b - a for a, b in zip(self._step_ends, self._step_ends[1:])]
-        measured = torch.tensor([statistics.median(durations), float(_peak())], dtype=torch.float64)
+        # Whether a lazy checkpoint's snapshot memory is held: any rank's (they save together).
+        held = float(getattr(getattr(engine, "checkpoint_engine", None), "holds_snapshot_memory", False))
+        measured = torch.tensor([statistics.median(durations), float(_peak()), held], dtype=torch.float64)
         measured = measured.to(engine.device)
         torch.distributed.all_reduce(measured, op=torch.distributed.ReduceOp.MAX)
-        step_s, peak = measured.tolist()
+        step_s, peak, held = measured.tolist()
         plan = self.active.plan
-        predicted_peak = plan.predicted_peak_bytes["gpu"]
+        taken = held > 0
+        predicted_peak = predicted_compute_peak(self.active.problem, plan, taken)
         off = max(abs(step_s / plan.predicted_step_s - 1), abs(peak / predicted_peak - 1))
         replan = (self.settings.replan and off > self.settings.replan_margin and self._plan_index < MAX_REPLANS
                   and not self._no_plan_found)
-        return PlanCheck(self._plan_index, plan.predicted_step_s, step_s, predicted_peak, peak, replan)
+        return PlanCheck(self._plan_index, plan.predicted_step_s, step_s, predicted_peak, peak, replan, taken)
 
     def _replan(self, engine, check: PlanCheck) -> None:
         from lazyzero.plan import PlanInfeasible
@@ -107,7 +116,7 @@ class PlanMonitor:
         from lazyzero.plan.implied import implied_setup
 
         problem = calibrated_problem(self.active.problem, self.active.plan, check.measured_step_s,
-                                     check.measured_peak_bytes)
+                                     check.measured_peak_bytes, check.snapshot_taken)
         try:
             plan, excess = solve_on_rank_zero(problem, self.settings, torch.distributed, least_excess=True)
         except PlanInfeasible as error:

@@ -67,6 +67,8 @@ class LayerCosts:
     (the work of moving them: on a machine without a GPU it competes with compute).
     stage_bytes_fp32 / _8bit: host bytes the NVMe optimizer swapper stages to step this layer's state
     (None: the state's own bytes).
+    snapshot_bytes_fp32 / _8bit: bytes a lazy checkpoint writes for this layer's state (its fp32
+    partition and moments; 0 without lazy checkpoints), see `SnapshotMemory`.
     act_widths: the widths this layer may store its activations at; a width whose measured gradient
     error exceeds the run's bound (`plan.max_grad_error`, problem_from_profile.py) is left out. 16
     (exact) always stays, and recompute is always possible, so the bound never takes away a plan.
@@ -91,6 +93,8 @@ class LayerCosts:
     offload_bwd_s: dict[int, float] = field(default_factory=lambda: dict.fromkeys(BIT_WIDTHS, 0.0))
     stage_bytes_fp32: int | None = None
     stage_bytes_8bit: int | None = None
+    snapshot_bytes_fp32: int = 0
+    snapshot_bytes_8bit: int = 0
     act_widths: tuple[int, ...] = BIT_WIDTHS
     grad_error: dict[int, float] | None = None
 
@@ -115,6 +119,9 @@ class LayerCosts:
 
     def state_bytes(self, eight_bit: bool) -> int:
         return self.optim_state_bytes_8bit if eight_bit else self.optim_state_bytes_fp32
+
+    def snapshot_bytes(self, eight_bit: bool) -> int:
+        return self.snapshot_bytes_8bit if eight_bit else self.snapshot_bytes_fp32
 
     def stage_bytes(self, eight_bit: bool) -> int:
         staged = self.stage_bytes_8bit if eight_bit else self.stage_bytes_fp32
@@ -236,6 +243,21 @@ class Machine:
 
 
 @dataclass(frozen=True)
+class SnapshotMemory:
+    """What a lazy checkpoint's snapshot holds in host memory from the first save on, in the terms of
+    the checkpoint code (`lazyzero.checkpoint.snapshot.snapshot_host_bytes`): the bytes each layer's
+    state writes (`LayerCosts.snapshot_bytes`), copied into a host buffer first where the state is
+    on the device beside a host, or on NVMe (swap files); `other_bytes` written besides the layers
+    (lazyzero's rank state); `files` per rank; the settings of the "checkpoint" section."""
+
+    other_bytes: int
+    files: int
+    block_bytes: int
+    limit_bytes: int | None = None
+    max_in_flight: int = 1
+
+
+@dataclass(frozen=True)
 class PlanProblem:
     layers: tuple[LayerCosts, ...]
     machine: Machine
@@ -262,6 +284,9 @@ class PlanProblem:
     # How the compute-memory capacity was placed when the user gave `plan.headroom_share`
     # (calibrate.HeadroomBudget: the share, the least capacity with a plan, the all-in-memory peak).
     headroom: object | None = None
+    # Lazy checkpoints' snapshot memory (None: no lazy checkpoints), held on `host_tier()` from the
+    # first save on, so that the predicted peak is the one after the first checkpoint.
+    snapshot: SnapshotMemory | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "layers", tuple(self.layers))
@@ -318,7 +343,42 @@ class PlanProblem:
         return range(self.num_layers, self.backward_window(layer))
 
     def param_swap_tier(self) -> str:
+        return self.host_tier()
+
+    def host_tier(self) -> str:
+        """Where host memory is planned: the "cpu" tier where there is one, else the compute memory."""
         return "cpu" if self.machine.has_host else "gpu"
+
+    def snapshot_layer_bytes(self, layer: int, placement: Placement) -> int:
+        """Host bytes of the snapshot that layer `layer`'s state adds under `placement` (no limit)."""
+        if self.snapshot is None:
+            return 0
+        from lazyzero.checkpoint.snapshot import snapshot_host_bytes
+
+        written = self.layers[layer].snapshot_bytes(placement.state_8bit)
+        copied = placement.state_tier == "nvme" or (placement.state_tier == "gpu" and self.machine.has_host)
+        return snapshot_host_bytes(written if copied else 0, written, 0, self.snapshot.block_bytes,
+                                   max_in_flight=self.snapshot.max_in_flight)
+
+    def snapshot_other_bytes(self) -> int:
+        """Host bytes of the snapshot besides the layers' states (no limit)."""
+        if self.snapshot is None:
+            return 0
+        from lazyzero.checkpoint.snapshot import snapshot_host_bytes
+
+        memory = self.snapshot
+        return snapshot_host_bytes(0, memory.other_bytes, memory.files, memory.block_bytes,
+                                   max_in_flight=memory.max_in_flight)
+
+    def snapshot_held(self, placements) -> int:
+        """Host bytes the snapshot holds with these placements (LayerPlans or Placements), at most
+        `host_buffer_limit`."""
+        if self.snapshot is None:
+            return 0
+        held = self.snapshot_other_bytes() + sum(
+            self.snapshot_layer_bytes(i, Placement(p.param_tier, p.state_tier, p.state_8bit))
+            for i, p in enumerate(placements))
+        return held if self.snapshot.limit_bytes is None else min(held, self.snapshot.limit_bytes)
 
     def param_swap_held(self, layers) -> float:
         """`param_swap_bytes` if any of the chosen layers has its parameters on NVMe, else 0."""

@@ -19,7 +19,9 @@ budgets into a `PlanProblem`, in the bytes and seconds of one rank of a `world_s
   gathered parameters and saved tensors, a layer's temporaries, one reduce bucket, the optimizer's
   fp32 gradient copy of one sub-group and, when the optimizer is swapped to NVMe, the swapper's
   buffers (swap_buffers.py); the parameter swapper's buffers are `PlanProblem.param_swap_bytes`,
-  held only by plans that put parameters on NVMe.
+  held only by plans that put parameters on NVMe; the other lazyzero features' memory is added after
+  the engine calibration, and lazy checkpoints' snapshot memory, which depends on the plan's state
+  formats, is `PlanProblem.snapshot`.
 Tiers: on a machine without a GPU, "gpu" is the rank's share of the host memory budget (the memory
 training computes in) and "nvme" its share of the NVMe folder's free space; on CUDA, "gpu" is the
 device budget, "cpu" the rank's share of host memory.
@@ -31,10 +33,9 @@ import math
 import shutil
 from dataclasses import dataclass, replace
 
-from lazyzero.config.memory import parse_memory_size
 from lazyzero.plan.costs import EMBED_AND_HEAD, FP32_BYTES, QUALITY_COST_PER_FWD_S, optimizer_state_bytes
 from lazyzero.plan.implied import OPTIMIZER_SWAP_BUFFERS, PARAM_SWAP_BUFFERS_PER_TENSOR, ModelSizes
-from lazyzero.plan.problem import BIT_WIDTHS, LayerCosts, Machine, Path, PlanProblem, Tier
+from lazyzero.plan.problem import BIT_WIDTHS, LayerCosts, Machine, Path, PlanProblem, SnapshotMemory, Tier
 from lazyzero.plan.profile.data import LayerProfile, ModelProfile
 from lazyzero.plan.swap_buffers import largest_sub_group_bound, optimizer_swap_bytes, parameter_swap_bytes
 
@@ -90,7 +91,7 @@ def problem_from_profile(profile: ModelProfile, budgets: Budgets, shape: RankSha
     layers = tuple(_layer_costs(profile, row, shape, offloaded_grads, max_grad_error) for row in profile.layers)
     if process_bytes is None:
         process_bytes = max(0, profile.memory.rss_bytes - profile.memory.param_bytes)
-    workspace = process_bytes + _engine_workspace_bytes(profile, shape, offloaded_grads) + feature_bytes
+    workspace = process_bytes + _engine_workspace_bytes(profile, shape, offloaded_grads)
     swappers = _swapper_bytes(profile, shape)
     if offloaded_grads:
         # The optimizer is always swapped to NVMe here (implied.py): its buffers are there all along,
@@ -102,6 +103,9 @@ def problem_from_profile(profile: ModelProfile, budgets: Budgets, shape: RankSha
                           param_swap_bytes=swappers["parameters"] if "nvme" in machine.tiers else 0)
     if profile.engine is not None:
         problem = engine_calibrated(problem, profile, process_bytes)
+    # After the calibration: its engines ran without a "lazyzero" section (implied.calibration_ds_config),
+    # so what the features hold is no part of what they measured.
+    problem = replace(problem, workspace_bytes=problem.workspace_bytes + feature_bytes)
     return problem, model_sizes(profile, shape.world_size)
 
 
@@ -303,6 +307,8 @@ def problem_for_config(profile: ModelProfile, ds_config: dict, settings, world_s
                                           allow_recompute=settings.allow_recompute,
                                           max_grad_error=settings.max_grad_error, process_bytes=process_bytes,
                                           feature_bytes=feature_workspace_bytes(profile, ds_config, shape))
+    problem = with_int8_exchange(problem, profile, ds_config)
+    problem = with_lazy_snapshot(problem, profile, ds_config, shape)
     problem = _with_checkpoint_traffic(problem, profile, ds_config, shape, settings.checkpoint_every)
     share = getattr(settings, "headroom_share", None)
     if share is None:
@@ -319,7 +325,7 @@ def _with_checkpoint_traffic(problem: PlanProblem, profile: ModelProfile, ds_con
     share of the snapshot bytes goes over the checkpoint's path (to host memory beside a GPU, else
     to NVMe, where the files are written), in windows the MILP chooses beside the other transfers.
     Without either path (no GPU, no NVMe tier) there is nothing to share: the copy is a memcpy in
-    the compute memory, its buffers counted in the workspace."""
+    the compute memory, its buffers counted by `with_lazy_snapshot`."""
     snapshot = lazy_snapshot_bytes(profile, ds_config, shape)
     if not every or not snapshot or not (problem.machine.has_host or "nvme" in problem.machine.tiers):
         return problem
@@ -332,20 +338,31 @@ INT8_EXCHANGE_SCRATCH_BYTES_PER_ELEMENT = 3 * FP32_BYTES + 2
 
 
 def feature_workspace_bytes(profile: ModelProfile, ds_config: dict, shape: RankShape) -> int:
-    """Bytes the run's non-planned lazyzero features hold on every rank whatever the plan:
-    - the int8 gradient exchange's scratch for one bucket (one layer, implied.py) and, with error
-      feedback, its fp32 residuals, one per gradient element the rank sends (the whole gradient,
-      not a partition);
-    - lazy checkpoints' host snapshot buffers (kept from the first save on): the rank's partition of
-      the parameters and of fp32 Adam states and master weights (the larger of the two state
-      formats) and lazyzero's own state (the error-feedback residuals), or
-      `checkpoint.host_buffer_limit` when that is smaller."""
+    """Bytes the run's non-planned lazyzero features hold on every rank whatever the plan: the int8
+    gradient exchange's scratch for one bucket (one layer, implied.py) and, with error feedback, its
+    fp32 residuals, one per gradient element the rank sends (the whole gradient, not a partition).
+    Lazy checkpoints' snapshot depends on the plan's state formats: `with_lazy_snapshot`."""
     gradients = ((ds_config.get("lazyzero") or {}).get("gradients")) or {}
-    held = 0
-    if gradients.get("enabled") is True:
-        held += INT8_EXCHANGE_SCRATCH_BYTES_PER_ELEMENT * model_sizes(profile, 1).largest_layer_numel
-        held += _residual_bytes(profile, ds_config)
-    return held + lazy_snapshot_bytes(profile, ds_config, shape)
+    if gradients.get("enabled") is not True:
+        return 0
+    return INT8_EXCHANGE_SCRATCH_BYTES_PER_ELEMENT * model_sizes(profile, 1).largest_layer_numel + \
+        _residual_bytes(profile, ds_config)
+
+
+def with_int8_exchange(problem: PlanProblem, profile: ModelProfile, ds_config: dict) -> PlanProblem:
+    """`problem` with lazyzero's int8 gradient exchange in each layer's backward in place of ZeRO-3's
+    reduce-scatter (both measured by the profile, machine.py), once the engine calibration, whose
+    engines reduce with ZeRO-3's own, is done; unchanged where the profile has no int8 figure."""
+    gradients = ((ds_config.get("lazyzero") or {}).get("gradients")) or {}
+    name = "int8_reduce_scatter_error_feedback" if gradients.get("error_feedback", False) else "int8_reduce_scatter"
+    int8, fp32 = profile.machine.collectives.get(name), profile.machine.collectives.get("reduce_scatter")
+    if gradients.get("enabled") is not True or int8 is None or fp32 is None:
+        return problem
+    rows = {row.name: row for row in profile.layers}
+    extra_per_byte = int8.s_per_byte - fp32.s_per_byte
+    return replace(problem, layers=tuple(
+        replace(c, bwd_s=max(0.0, c.bwd_s + extra_per_byte * rows[c.name].param_numel * _DTYPE_BYTES[fp32.dtype]))
+        for c in problem.layers))
 
 
 def _residual_bytes(profile: ModelProfile, ds_config: dict) -> int:
@@ -355,13 +372,49 @@ def _residual_bytes(profile: ModelProfile, ds_config: dict) -> int:
     return FP32_BYTES * sum(row.param_numel for row in profile.layers)
 
 
+# The files one rank's lazy checkpoint writes under ZeRO-3: its optimizer states, DeepSpeed's model
+# states (rank 0's, the largest case) and lazyzero's rank state (lazyzero/checkpoint/engine_hooks.py).
+CHECKPOINT_FILES_PER_RANK = 3
+
+
+def _checkpoint_config(ds_config: dict):
+    """The run's validated "checkpoint" section when lazy checkpoints are on, else None."""
+    from lazyzero.config.models import CheckpointConfig
+
+    section = ((ds_config.get("lazyzero") or {}).get("checkpoint")) or {}
+    return CheckpointConfig(**section) if section.get("enabled") is True else None
+
+
+def _layer_snapshot_bytes(row: LayerProfile, shape: RankShape, eight_bit: bool) -> int:
+    """What a checkpoint writes for one layer's state on a rank: ZeRO-3's fp32 partition (the master
+    weights, or an fp32 model's own parameters; its 16-bit module parameters are empty there) and the
+    Adam moments, 8-bit where the optimizer keeps them so."""
+    numels = {name: t.numel for name, t in row.tensors.items()}
+    return optimizer_state_bytes(numels, eight_bit, master_bytes=FP32_BYTES, world_size=shape.world_size)
+
+
+def with_lazy_snapshot(problem: PlanProblem, profile: ModelProfile, ds_config: dict, shape: RankShape) -> PlanProblem:
+    """`problem` holding lazy checkpoints' snapshot memory (problem.SnapshotMemory, in the checkpoint
+    code's own terms, docs/checkpoint.md "Memory"): each layer's state bytes in either format, and
+    lazyzero's rank state (the error-feedback residuals) besides."""
+    from lazyzero.checkpoint.staged_io import BLOCK_BYTES
+
+    config = _checkpoint_config(ds_config)
+    if config is None:
+        return problem
+    rows = {row.name: row for row in profile.layers}
+    layers = tuple(replace(c, snapshot_bytes_fp32=_layer_snapshot_bytes(rows[c.name], shape, False),
+                           snapshot_bytes_8bit=_layer_snapshot_bytes(rows[c.name], shape, True))
+                   for c in problem.layers)
+    memory = SnapshotMemory(other_bytes=_residual_bytes(profile, ds_config), files=CHECKPOINT_FILES_PER_RANK,
+                            block_bytes=BLOCK_BYTES, limit_bytes=config.host_buffer_limit,
+                            max_in_flight=config.max_in_flight)
+    return replace(problem, layers=layers, snapshot=memory)
+
+
 def lazy_snapshot_bytes(profile: ModelProfile, ds_config: dict, shape: RankShape) -> int:
-    """Host bytes of one lazy checkpoint's snapshot on a rank (0 without lazy checkpoints)."""
-    checkpoint = ((ds_config.get("lazyzero") or {}).get("checkpoint")) or {}
-    if checkpoint.get("enabled") is not True:
+    """Bytes one lazy checkpoint writes on a rank, with fp32 states (the larger format; 0 without lazy
+    checkpoints): the snapshot traffic `plan.checkpoint_every` spreads over the steps."""
+    if _checkpoint_config(ds_config) is None:
         return 0
-    total = sum(row.param_numel for row in profile.layers)
-    per_element = _DTYPE_BYTES[shape.dtype] + 2 * FP32_BYTES + (FP32_BYTES if shape.mixed_precision else 0)
-    snapshot = math.ceil(total / shape.world_size) * per_element + _residual_bytes(profile, ds_config)
-    limit = checkpoint.get("host_buffer_limit")
-    return snapshot if limit is None else min(snapshot, parse_memory_size(limit))
+    return sum(_layer_snapshot_bytes(row, shape, False) for row in profile.layers) + _residual_bytes(profile, ds_config)

@@ -16,6 +16,8 @@ Memory rules walked here (see problem.py for the windows):
 - host/NVMe: parameters and states placed there, activations from their forward until their backward.
 - NVMe-resident optimizer state is stepped one layer at a time: the largest such layer's state is
   staged in the optimizer's memory (host, or device without one) during the optimizer window.
+- lazy checkpoints: the snapshot's host buffers and staging blocks (`PlanProblem.snapshot_held`), in
+  every window of the host memory, as after the first checkpoint.
 """
 
 from __future__ import annotations
@@ -184,6 +186,7 @@ def _walk_memory(problem: PlanProblem, layers: tuple[LayerPlan, ...]) -> list[di
     live = Counter({tier: 0.0 for tier in machine.tiers})
     live["gpu"] += problem.workspace_bytes + _device_buffers(problem, layers)
     live[problem.param_swap_tier()] += problem.param_swap_held(layers)
+    live[problem.host_tier()] += problem.snapshot_held(layers)
     for c, lp in zip(costs, layers):
         live[lp.param_tier] += c.param_bytes
         live[lp.state_tier] += c.state_bytes(lp.state_8bit)

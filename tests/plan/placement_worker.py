@@ -43,9 +43,10 @@ from deepspeed.runtime.zero.partition_parameters import Init
 
 import lazyzero
 import lazyzero.engine.engine as engine_module
+from lazyzero.checkpoint.sub_group_tiers import check_checkpoint_tiers
 from lazyzero.models import build_model
 from lazyzero.patch_point import applied_patches
-from lazyzero.plan.zero_placement import ZeroPlacement, check_checkpoint_tiers, zero_placement
+from lazyzero.plan.zero_placement import ZeroPlacement, zero_placement
 from lazyzero.testing import destroy_engine, worker_args, write_json_from_every_rank
 
 VOCAB, SEQUENCE, BATCH, SAVE_AT = 300, 16, 2, 3

@@ -3,11 +3,12 @@ added to the layers' times, measured optimizer speeds, per-rank budgets and the 
 against hand computations on a made-up profile (nothing is measured here)."""
 
 import math
+from dataclasses import replace
 
 import pytest
 
 from lazyzero.plan.costs import EMBED_AND_HEAD
-from lazyzero.plan.problem_from_profile import Budgets, RankShape, problem_from_profile
+from lazyzero.plan.problem_from_profile import Budgets, RankShape, problem_for_config, problem_from_profile
 from lazyzero.plan.profile.data import (
     Bandwidth,
     CollectiveSpeed,
@@ -182,15 +183,105 @@ def test_other_features_add_what_they_hold_whatever_the_plan():
     int8["lazyzero"]["gradients"]["error_feedback"] = True
     # Error feedback keeps an fp32 residual of every gradient element the rank sends.
     assert feature_workspace_bytes(profile, int8, shape) == 14 * layer_numel + 4 * total
-    lazy = {"lazyzero": {"checkpoint": {"enabled": True}}}
-    # Snapshot buffers: the rank's partition of bf16 parameters, fp32 master weights and two moments.
-    assert feature_workspace_bytes(profile, lazy, shape) == math.ceil(total / 2) * (2 + 4 + 8)
-    both = {"lazyzero": {**int8["lazyzero"], **lazy["lazyzero"]}}
-    # ... and lazyzero's own state: the residuals, snapshot too.
-    assert feature_workspace_bytes(profile, both, shape) == \
-        14 * layer_numel + 4 * total + math.ceil(total / 2) * (2 + 4 + 8) + 4 * total
-    lazy["lazyzero"]["checkpoint"]["host_buffer_limit"] = "1KB"
-    assert feature_workspace_bytes(profile, lazy, shape) == 1000
+    # Lazy checkpoints' snapshot depends on the plan's state formats: PlanProblem.snapshot, not here.
+    assert feature_workspace_bytes(profile, {"lazyzero": {"checkpoint": {"enabled": True}}}, shape) == 0
+
+
+def _rank_files(profile, world_size: int, eight_bit: bool) -> dict:
+    """One ZeRO-3 rank's checkpoint files for `profile`'s model, as DeepSpeed and lazyzero save them
+    (host tensors, each its own storage): per tensor the fp32 partition and Adam's moments, fp32 or
+    8-bit (codes and one fp32 scale per 256-element block, as AdamW8bit keeps them), and lazyzero's
+    rank state with an fp32 error-feedback residual of every parameter."""
+    import torch
+
+    from lazyzero.plan.costs import optimizer_state_bytes
+
+    optim, residual = {}, 0
+    for row in profile.layers:
+        for name, tensor in row.tensors.items():
+            part = math.ceil(tensor.numel / world_size)
+            state = optimizer_state_bytes({name: tensor.numel}, eight_bit, master_bytes=0, world_size=world_size)
+            optim[name] = {"fp32": torch.zeros(part), "moments": torch.zeros(state, dtype=torch.uint8)}
+            residual += tensor.numel
+    return {"optim_states.pt": {"state": optim}, "model_states.pt": {"module": {}},
+            "lazyzero_rank0.pt": {"residual": torch.zeros(residual)}}
+
+
+def _save_files(engine, save_dir, files: dict) -> None:
+    """What DeepSpeed's save_checkpoint does with a checkpoint engine, for these files."""
+    from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo
+
+    engine.prepare(str(save_dir), save_latest=True, global_steps=1, barrier=lambda: None)
+    info = CheckpointCommitInfo(tag="step1", save_dir=str(save_dir), save_latest=False)
+    engine.create(info)
+    for name, state in files.items():
+        engine.save(state, str(save_dir / "step1" / name))
+    engine.commit(info)
+    engine.wait()
+
+
+@pytest.mark.parametrize("eight_bit", [False, True])
+def test_the_predicted_peak_holds_the_snapshot_the_checkpoint_code_allocates(tmp_path, eight_bit):
+    from lazyzero.checkpoint.lazy_engine import LazyCheckpointEngine
+    from lazyzero.config import PlanConfig
+    from lazyzero.config.models import CheckpointConfig
+    from lazyzero.plan.problem import LayerPlan
+    from lazyzero.plan.simulate import evaluate_layers
+
+    ds_config = {"bf16": {"enabled": True}, "zero_optimization": {"stage": 3},
+                 "lazyzero": {"checkpoint": {"enabled": True}, "gradients": {"enabled": True, "error_feedback": True}}}
+    settings = PlanConfig(enabled=True, seq_len=8, cpu_mem=4 * 10**9)
+    problem, _ = problem_for_config(made_up_profile(), ds_config, settings, 2, 2, process_bytes=0)
+    layers = [LayerPlan("keep", 16, "gpu", "gpu", "gpu", eight_bit)] * problem.num_layers
+    # The checkpoint code's own figure for the files this rank writes, and what it then holds.
+    engine = LazyCheckpointEngine(CheckpointConfig(enabled=True), rank=0, world_size=1, on_cuda=False)
+    _save_files(engine, tmp_path, _rank_files(made_up_profile(), 2, eight_bit))
+    commit = engine.last_commit
+    engine.close()
+    assert problem.snapshot_held(layers) == commit["host_bytes_bound"] >= commit["host_bytes"] > 0
+    # ... in the predicted peak of the compute memory (no GPU: host memory), in every window.
+    without = replace(problem, snapshot=None)
+    peaks = [evaluate_layers(p, layers, "greedy").predicted_peak_bytes["gpu"] for p in (problem, without)]
+    assert peaks[0] - peaks[1] == pytest.approx(commit["host_bytes_bound"])
+
+
+def test_the_milp_and_the_simulator_agree_on_the_snapshot_and_a_limit_caps_it(tmp_path):
+    from lazyzero.config import PlanConfig
+    from lazyzero.plan import solve
+    from lazyzero.plan.simulate import evaluate_layers
+
+    ds_config = {"bf16": {"enabled": True}, "zero_optimization": {"stage": 3},
+                 "lazyzero": {"checkpoint": {"enabled": True}}}
+    settings = PlanConfig(enabled=True, seq_len=8, cpu_mem=4 * 10**9)
+    problem, _ = problem_for_config(made_up_profile(), ds_config, settings, 2, 2, process_bytes=0)
+    plan = solve(problem, max_gap=0.0)
+    simulated = evaluate_layers(problem, plan.layers, "greedy").predicted_peak_bytes["gpu"]
+    assert plan.predicted_peak_bytes["gpu"] == pytest.approx(simulated, rel=1e-6)
+    ds_config["lazyzero"]["checkpoint"]["host_buffer_limit"] = "9MB"
+    limited, _ = problem_for_config(made_up_profile(), ds_config, settings, 2, 2, process_bytes=0)
+    assert limited.snapshot_held(plan.layers) == 9 * MB < problem.snapshot_held(plan.layers)
+
+
+def test_the_int8_exchange_replaces_zero3s_reduce_scatter_in_the_backward():
+    from lazyzero.config import PlanConfig
+
+    profile = made_up_profile()
+    collectives = {**profile.machine.collectives,
+                   "int8_reduce_scatter": CollectiveSpeed(2, "bfloat16", 1, 1.0, 0.5e-9),
+                   "int8_reduce_scatter_error_feedback": CollectiveSpeed(2, "bfloat16", 1, 1.0, 0.75e-9)}
+    measured = replace(profile, machine=replace(profile.machine, collectives=collectives))
+    settings = PlanConfig(enabled=True, seq_len=8, cpu_mem=4 * 10**9)
+    plain = {"bf16": {"enabled": True}, "zero_optimization": {"stage": 3}}
+    base, _ = problem_for_config(measured, plain, settings, 2, 2, process_bytes=0)
+    for error_feedback, s_per_byte in ((False, 0.5e-9), (True, 0.75e-9)):
+        int8 = {**plain, "lazyzero": {"gradients": {"enabled": True, "error_feedback": error_feedback}}}
+        problem, _ = problem_for_config(measured, int8, settings, 2, 2, process_bytes=0)
+        full_bytes = 2 * sum(LAYER_TENSORS.values())  # a decoder layer in bf16
+        assert problem.layers[0].bwd_s == pytest.approx(base.layers[0].bwd_s + (s_per_byte - 2e-9) * full_bytes)
+        assert problem.layers[0].fwd_s == base.layers[0].fwd_s
+    # A profile without the int8 figures keeps ZeRO-3's.
+    assert problem_for_config(profile, int8, settings, 2, 2, process_bytes=0)[0].layers == \
+        problem_for_config(profile, plain, settings, 2, 2, process_bytes=0)[0].layers
 
 
 def test_lazy_checkpoints_every_n_steps_share_the_windows_with_their_snapshot_traffic(tmp_path):

@@ -15,7 +15,7 @@ import typing
 from dataclasses import asdict, dataclass
 
 PROFILE_KIND = "lazyzero.profile"
-PROFILE_VERSION = 3
+PROFILE_VERSION = 4
 DECODER = "decoder"
 EMBED_AND_HEAD_KIND = "embed_and_head"
 

@@ -13,7 +13,9 @@ thing at once (ranks of one host share its cores, memory bus and disk, as they d
   from an AdamW section with "torch_adam"), DeepSpeedCPUAdam with fp32 states (ZeRO-Offload's),
   lazyzero's AdamW8bit;
 - ZeRO-3's collectives through deepspeed.comm (`allgather_fn`, `reduce_scatter_fn`), the calls
-  ZeRO-3 makes, on a buffer the size of one decoder layer's parameters.
+  ZeRO-3 makes, on a buffer the size of one decoder layer's parameters; and lazyzero's int8
+  reduce-scatter (`lazyzero.gradients`, docs/gradients.md) of the same buffer, without and with
+  error feedback, which replaces ZeRO-3's when `gradients` is on.
 """
 
 from __future__ import annotations
@@ -228,7 +230,7 @@ def collective_speeds(numel: int, dtype: torch.dtype, device: torch.device, repe
     shard, whole = torch.randn(part).to(device, dtype), torch.randn(full).to(device, dtype)
     gathered, scattered = torch.empty_like(whole), torch.empty_like(shard)
     cases = {"all_gather": lambda: dist.allgather_fn(gathered, shard),
-             "reduce_scatter": lambda: dist.reduce_scatter_fn(scattered, whole)}
+             "reduce_scatter": lambda: dist.reduce_scatter_fn(scattered, whole), **_int8_cases(whole)}
     full_bytes = full * whole.element_size()
     results = {}
     for name, work in cases.items():
@@ -236,6 +238,17 @@ def collective_speeds(numel: int, dtype: torch.dtype, device: torch.device, repe
         results[name] = CollectiveSpeed(world, str(dtype).removeprefix("torch."), full_bytes, seconds,
                                         seconds / full_bytes)
     return results
+
+
+def _int8_cases(whole: torch.Tensor) -> dict[str, Callable]:
+    """lazyzero's int8 reduce-scatter of `whole` as the gradient exchange calls it (scratch buffers
+    reused, the default block size), without and with an error-feedback residual."""
+    from lazyzero.gradients import ExchangeBuffers, quantized_reduce_scatter
+
+    buffers, residual = ExchangeBuffers(), torch.zeros(whole.numel(), dtype=torch.float32, device=whole.device)
+    return {"int8_reduce_scatter": lambda: quantized_reduce_scatter(whole, buffers=buffers),
+            "int8_reduce_scatter_error_feedback": lambda: quantized_reduce_scatter(whole, buffers=buffers,
+                                                                                   residual=residual)}
 
 
 def _collective_seconds(work: Callable, repeats: int, warmup: int, device: torch.device) -> float:

@@ -5,6 +5,9 @@ Importing lazyzero never compiles anything and never imports DeepSpeed: `initial
 use, so that `lazyzero config check` stays fast (docs/architecture.md).
 """
 
+# deepspeed.initialize's default port, without importing DeepSpeed (the module imports only the standard library).
+from lazyzero.engine.deepspeed_route import DEEPSPEED_DEFAULT_PORT
+
 __version__ = "0.1.0"
 
 __all__ = ["initialize", "patch_deepspeed", "unpatch_deepspeed", "LazyZeroEngine", "LazyZeroConfig",
@@ -12,8 +15,8 @@ __all__ = ["initialize", "patch_deepspeed", "unpatch_deepspeed", "LazyZeroEngine
 
 
 def initialize(args=None, model=None, optimizer=None, model_parameters=None, training_data=None, lr_scheduler=None,
-               distributed_port=None, mpu=None, dist_init_required=None, collate_fn=None, config=None,
-               mesh_param=None, config_params=None):
+               distributed_port=DEEPSPEED_DEFAULT_PORT, mpu=None, dist_init_required=None, collate_fn=None,
+               config=None, mesh_param=None, config_params=None):
     """`deepspeed.initialize` with the "lazyzero" section: same arguments, same return value
     (engine, optimizer, dataloader, lr_scheduler), the engine a `LazyZeroEngine`.
 

@@ -16,6 +16,7 @@ from pydantic import ValidationError
 from lazyzero.config.cross_checks import deepspeed_settings_problems, lazyzero_against_deepspeed_problems
 from lazyzero.config.deepspeed_parse import deepspeed_parse_problems
 from lazyzero.config.errors import LazyZeroConfigError, Problem
+from lazyzero.config.initialize_checks import initialize_problems
 from lazyzero.config.models import LazyZeroConfig
 from lazyzero.config.pydantic_errors import problems_from_validation_error
 from lazyzero.config.release import release_gate_problems
@@ -70,8 +71,9 @@ def validate_ds_config(ds_config: Union[dict, str, os.PathLike], *, world_size: 
     An absent section means every default, i.e. every feature off. Checks, all reported together:
     the section's schema; features whose runtime has not landed (release gate); the section against
     the DeepSpeed settings around it; the ZeRO and offload settings lazyzero relies on (NVMe paths
-    must exist and be writable); with `world_size`, that the two-hop layout fits it; with
-    `run_deepspeed_checks`, DeepSpeed's own parse (imports DeepSpeed, seconds).
+    must exist and be writable); settings with which deepspeed.initialize would build what
+    lazyzero.initialize does not (initialize_checks.py); with `world_size`, that the two-hop layout
+    fits it; with `run_deepspeed_checks`, DeepSpeed's own parse (imports DeepSpeed, seconds).
     Raises LazyZeroConfigError listing every problem. Creates and modifies nothing.
     """
     if world_size is not None and (type(world_size) is not int or world_size < 1):
@@ -88,6 +90,7 @@ def validate_ds_config(ds_config: Union[dict, str, os.PathLike], *, world_size: 
         problems += release_gate_problems(config)
         problems += lazyzero_against_deepspeed_problems(config, ds_config, world_size)
     problems += deepspeed_settings_problems(ds_config)
+    problems += initialize_problems(config, ds_config)
     if run_deepspeed_checks:
         problems += deepspeed_parse_problems(ds_config, world_size, source)
     if problems:

@@ -37,7 +37,9 @@ def launch_command(launcher: str, nprocs: int, argv: list[str], launcher_args: t
     if launcher == "deepspeed":
         return ["deepspeed", "--num_gpus", str(nprocs), "--master_port", str(port), *launcher_args, *argv]
     if launcher == "mpirun":
-        return ["mpirun", "-n", str(nprocs), "--oversubscribe", "-x", f"MASTER_PORT={port}",
+        from lazyzero.distributed.mpi_extra import mpirun_executable
+
+        return [mpirun_executable(), "-n", str(nprocs), "--oversubscribe", "-x", f"MASTER_PORT={port}",
                 *launcher_args, sys.executable, *argv]
     raise ValueError(f"launcher: got {launcher!r}; allowed: 'deepspeed', 'mpirun'")
 

@@ -10,11 +10,14 @@ without the section goes to DeepSpeed's own function untouched, so such runs are
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 OWNER = "lazyzero.patch_deepspeed"
 SECTION = "lazyzero"
+# DeepSpeed's TORCH_DISTRIBUTED_DEFAULT_PORT (deepspeed/constants.py), the default of deepspeed.initialize's
+# distributed_port; written out so that `import lazyzero` does not import DeepSpeed.
+# tests/engine/test_public_api.py keeps every signature here equal to DeepSpeed's.
+DEEPSPEED_DEFAULT_PORT = 29500
 
 
 def patch_deepspeed() -> None:
@@ -41,8 +44,9 @@ def unpatch_deepspeed() -> bool:
 
 
 def initialize_from_any_caller(args=None, model=None, optimizer=None, model_parameters=None, training_data=None,
-                               lr_scheduler=None, distributed_port=None, mpu=None, dist_init_required=None,
-                               collate_fn=None, config=None, mesh_param=None, config_params=None):
+                               lr_scheduler=None, distributed_port=DEEPSPEED_DEFAULT_PORT, mpu=None,
+                               dist_init_required=None, collate_fn=None, config=None, mesh_param=None,
+                               config_params=None):
     """`deepspeed.initialize` once patched: `lazyzero.initialize` for a config with a "lazyzero"
     section (validated as there), DeepSpeed's own function, with the caller's arguments as given,
     for any other config."""
@@ -57,14 +61,9 @@ def initialize_from_any_caller(args=None, model=None, optimizer=None, model_para
     if not has_lazyzero_section(ds_config):
         # DeepSpeed's own function, also when called through a reference kept from before an unpatch.
         original = getattr(deepspeed.initialize, "__wrapped__", deepspeed.initialize)
-        if distributed_port is None:
-            del arguments["distributed_port"]  # DeepSpeed's own default
         return original(**arguments)
     from lazyzero.engine.initialize import initialize
 
-    if isinstance(given, str) and not os.path.isfile(given):
-        # Base64 JSON, which DeepSpeed accepts and lazyzero.initialize does not: hand over what it decoded.
-        arguments.update(config=ds_config, config_params=None)
     return initialize(**arguments)
 
 
@@ -72,11 +71,23 @@ def has_lazyzero_section(ds_config: Any) -> bool:
     return isinstance(ds_config, dict) and SECTION in ds_config
 
 
+def config_in_args(args: Any) -> Any:
+    """The config `args` names: `args.deepspeed_config`, or the deprecated `args.deepscale_config`
+    that DeepSpeed's initialize still reads; both given is refused, as there."""
+    current, deprecated = getattr(args, "deepspeed_config", None), getattr(args, "deepscale_config", None)
+    if current is not None and deprecated is not None:
+        raise ValueError("args gives both deepspeed_config and the deprecated deepscale_config; give deepspeed_config")
+    return current if current is not None else deprecated
+
+
 def _readable_config(args: Any, config: Any) -> Any:
     """The config dict the call names (a dict, a path, base64 JSON, or args.deepspeed_config), read
     as DeepSpeed reads it; None when it cannot be read, so that DeepSpeed's own errors are raised."""
     if config is None:
-        config = getattr(args, "deepspeed_config", None)
+        try:
+            config = config_in_args(args)
+        except ValueError:
+            return None  # DeepSpeed's initialize refuses both names itself
     if config is None or isinstance(config, dict):
         return config
     from deepspeed.runtime.tensor_parallel.init_utils import load_ds_config

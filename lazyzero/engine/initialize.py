@@ -12,6 +12,7 @@ from typing import Any, Callable, Optional, Union
 import torch
 
 from lazyzero.config import load_ds_config_file, validate_ds_config
+from lazyzero.engine.deepspeed_route import DEEPSPEED_DEFAULT_PORT, config_in_args
 
 
 def initialize(
@@ -21,7 +22,7 @@ def initialize(
     model_parameters: Any = None,
     training_data: Optional[torch.utils.data.Dataset] = None,
     lr_scheduler: Any = None,
-    distributed_port: Optional[int] = None,
+    distributed_port: int = DEEPSPEED_DEFAULT_PORT,
     mpu: Any = None,
     dist_init_required: Optional[bool] = None,
     collate_fn: Optional[Callable] = None,
@@ -31,8 +32,11 @@ def initialize(
 ):
     """Same arguments and return value as `deepspeed.initialize`: (engine, optimizer, dataloader, lr_scheduler).
 
-    The engine is a `LazyZeroEngine`. `config` may be a path or a dict; `args.deepspeed_config` is
-    honoured as DeepSpeed does. Pipeline and hybrid engines are not supported.
+    The engine is a `LazyZeroEngine`. `config` may be a path, base64 JSON or a dict;
+    `args.deepspeed_config` (and its old name `deepscale_config`) is honoured as DeepSpeed does.
+    Pipeline and hybrid engines are refused, and AutoTP with a capability on: what DeepSpeed's
+    initialize does and this one does not is listed in docs/deepspeed-internals.md,
+    "`deepspeed.initialize` and `lazyzero.initialize`".
     """
     ds_config = _resolve_config(args, config if config is not None else config_params)
     lazyzero_config = validate_ds_config(ds_config)
@@ -46,8 +50,10 @@ def initialize(
     from deepspeed.pipe import PipelineModule
     from deepspeed.runtime import zero
     from deepspeed.runtime.config import DeepSpeedConfig
+    from deepspeed.utils import log_dist
 
     from lazyzero.distributed.job_failure import apply_to_every_group, collective_timeout, end_job_on_uncaught_error
+    from lazyzero.distributed.mpi_extra import check_mpi_discovery_possible
     from lazyzero.distributed.shm_segments import release_own_segment_name
     from lazyzero.engine.engine import LazyZeroEngine
     from lazyzero.engine.features import FeatureSet
@@ -57,11 +63,17 @@ def initialize(
         raise ValueError("lazyzero does not support PipelineModule models; "
                          "use deepspeed.initialize for pipeline parallelism")
     zero.partition_parameters.shutdown_init_context()
+    check_mpi_discovery_possible()
     dist.init_distributed(dist_backend=get_accelerator().communication_backend_name(),
                           distributed_port=_rendezvous_port(distributed_port, TORCH_DISTRIBUTED_DEFAULT_PORT),
                           dist_init_required=dist_init_required, timeout=collective_timeout(lazyzero_config))
     release_own_segment_name(dist)
     end_job_on_uncaught_error(collective_timeout(lazyzero_config))
+    log_dist(f"DeepSpeed info: version={deepspeed.__version__}, git-hash={deepspeed.__git_hash__}, "
+             f"git-branch={deepspeed.__git_branch__}", ranks=[0])
+    mesh_device = _mesh_device(dist, ds_config, mesh_param)
+    # Before the check below, so that AutoTP asked for by deepspeed.tp_model_init is checked as AutoTP in the file.
+    _merge_tensor_parallel(ds_config, mpu, mesh_param, dist)
     # Settings that depend on the number of ranks (e.g. gradients.ranks_per_node) can only be
     # checked now; still before any engine state or file exists.
     validate_ds_config(ds_config, world_size=dist.get_world_size())
@@ -74,12 +86,7 @@ def initialize(
             inputs.update(prepared)
     features = FeatureSet(lazyzero_config, **inputs)
     _check_nvme_room(ds_config, model, dist.get_world_size())
-    mesh_device = _mesh_device(dist, ds_config, mesh_param)
-    deepspeed.merge_tp_model_init_into_config(ds_config, mpu, mesh_param, dist)
     config_class = DeepSpeedConfig(ds_config, mpu, mesh_device=mesh_device)
-    if config_class.hybrid_engine.enabled:
-        raise ValueError("hybrid_engine.enabled: got true; allowed: false "
-                         "(lazyzero does not support DeepSpeed's hybrid engine)")
     features.call("check_parsed_config", config_class, model)
     deepspeed.set_optimizer_flags(config_class, model)
     engine = LazyZeroEngine(args=args, model=model, optimizer=optimizer,
@@ -97,14 +104,35 @@ def initialize(
 
 
 def _resolve_config(args: Any, config: Optional[Union[str, dict]]) -> dict:
-    """The config dict, from `config` or `args.deepspeed_config`, exactly one of them (as DeepSpeed)."""
-    from_args = getattr(args, "deepspeed_config", None)
+    """The config dict, from `config` or `args.deepspeed_config`, exactly one of them (as DeepSpeed).
+    DeepSpeed moves the deprecated `args.deepscale_config` into `args.deepspeed_config`; so do we."""
+    from_args = config_in_args(args)
+    if getattr(args, "deepscale_config", None) is not None:
+        args.deepspeed_config, args.deepscale_config = from_args, None
     if from_args is not None and config is not None:
         raise ValueError("a DeepSpeed config was given both as args.deepspeed_config and as config=; give one")
     config = config if config is not None else from_args
     if config is None:
         raise ValueError("no DeepSpeed config: pass config=PATH_OR_DICT or args.deepspeed_config")
-    return dict(config) if isinstance(config, dict) else load_ds_config_file(config)
+    if isinstance(config, dict):
+        return dict(config)
+    return _base64_config(config) or load_ds_config_file(config)
+
+
+def _base64_config(config) -> Optional[dict]:
+    """The dict of a config given as base64 JSON, as DeepSpeed decodes it (its launcher passes configs
+    so); None for anything else, which is then read as a file with lazyzero's strict JSON reader."""
+    import os
+
+    if not isinstance(config, str) or os.path.exists(config):
+        return None
+    from deepspeed.runtime.tensor_parallel.init_utils import load_ds_config
+
+    try:
+        decoded = load_ds_config(config)
+    except ValueError:
+        return None
+    return decoded if isinstance(decoded, dict) else None
 
 
 def _check_nvme_room(ds_config: dict, model, world_size: int) -> None:
@@ -119,15 +147,29 @@ def _check_nvme_room(ds_config: dict, model, world_size: int) -> None:
 
 
 def _rendezvous_port(requested: Optional[int], default: int) -> int:
-    """The port given, else MASTER_PORT from the environment, else DeepSpeed's default.
+    """The port given (other than DeepSpeed's default), else MASTER_PORT from the environment, else
+    DeepSpeed's default.
 
     Under `mpirun`, DeepSpeed's MPI discovery overwrites MASTER_PORT with the port argument; honouring
-    the variable lets several jobs (or tests) share one host, as with the deepspeed launcher."""
+    the variable lets several jobs (or tests) share one host, as with the deepspeed launcher. The
+    parameter's default is DeepSpeed's, so that the two signatures stay equal; it counts as not given."""
     import os
 
-    if requested is not None:
+    if requested is not None and requested != default:
         return requested
     return int(os.environ.get("MASTER_PORT", default))
+
+
+def _merge_tensor_parallel(ds_config: dict, mpu: Any, mesh_param: Any, dist) -> None:
+    """deepspeed.initialize's tensor-parallel steps: the settings of `deepspeed.tp_model_init` merged
+    into the config, and AutoTP's layers switched to training when the config asks for AutoTP."""
+    import deepspeed
+    from deepspeed.module_inject import set_autotp_mode
+
+    deepspeed.merge_tp_model_init_into_config(ds_config, mpu, mesh_param, dist)
+    autotp_size = ds_config.get("tensor_parallel", {}).get("autotp_size", 0)
+    if autotp_size and autotp_size > 0:
+        set_autotp_mode(training=True)
 
 
 def _mesh_device(dist, ds_config: dict, mesh_param: Any):

@@ -1,6 +1,7 @@
 """The memory planner against its baselines under one host-memory budget (docs/plan.md).
 
     python benchmarks/bench_planner.py --quick --out benchmarks/results/bench_planner.json
+    python benchmarks/bench_planner.py --profile-only --out benchmarks/results/bench_planner_profile.json
 
 1. `solve_s_80_layers`: the MILP on an 80-layer instance (`lazyzero.plan.instances`), with its gap.
 2. One model whose full training state does not fit the budget (a 103M-parameter Llama in bf16 on 2
@@ -19,6 +20,15 @@ before any measurement of this run; `*_replanned` the same for the plan in force
 comparison), `speedup_vs_fixed_rule` and `speedup_vs_deepspeed_default` (baseline median step time
 over the plan's, steps after the warm-up and the re-planning), and each run's peak resident set
 (whole process lifetime, profiling included) over the budget.
+3. `profile_peak_rss_over_model_bytes`: the same architecture, PROFILE_LAYERS deep, built partitioned
+   across the 2 ranks as it is created (`build_model(zero_init_config=...)`) and profiled as a planned
+   run profiles (`planner_profile_worker.py`): the largest rise of a rank's resident set while
+   profiling, over the whole model's parameter bytes. Below 1: no rank held the whole model for
+   planning. The rise does not grow with depth (one layer is whole at a time), but the profiler's
+   own working set (about 0.4 GB here: one layer's collectives and gradient-error buffers, the
+   optimizer and copy tests, libraries loaded on first use) exceeds the 8-layer model's 0.2 GB, so
+   the figure is taken on a model deep enough for the model to be what is measured; the details keep
+   each phase's rise. `--profile-only` measures just this.
 """
 
 from __future__ import annotations
@@ -43,6 +53,8 @@ SEQ_LEN, MICRO_BATCH = 256, 2
 # a plan to what the all-in-memory plan needs (`plan.headroom_share`), so that it holds with any torch
 # build or library version (a fixed byte count fitted one install only).
 HEADROOM_SHARE = 0.4
+# Depth of the model profiled partitioned (item 3 above): 0.84 GB of bf16 parameters.
+PROFILE_LAYERS = 32
 WARMUP_STEPS = 2
 # A planned run compares after steps 2-4 and may plan again; its steps from here on are timed.
 PLANNED_STEADY_FROM = 9
@@ -57,6 +69,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--out", type=Path, help="write the results as JSON to this file")
     parser.add_argument("--work", type=Path, default=ROOT / "runs" / "bench_planner", help="runs and configs go here")
     parser.add_argument("--nvme", default="/var/tmp", help="NVMe folder for every run")
+    parser.add_argument("--profile-only", action="store_true",
+                        help="only profile_peak_rss_over_model_bytes (about 4 minutes here), not the training runs")
     return parser.parse_args()
 
 
@@ -136,12 +150,30 @@ def solve_80_layers() -> dict:
     return results
 
 
+def partitioned_profile(work: Path) -> tuple[dict, dict]:
+    """(results, details) of profiling the model partitioned by zero.Init on RANKS ranks."""
+    out, model = work / "partitioned_profile.json", work / "profiled_model.json"
+    model.write_text(json.dumps({**MODEL, "vocab_size": 259, "num_hidden_layers": PROFILE_LAYERS}))
+    argv = [str(ROOT / "benchmarks" / "planner_profile_worker.py"), str(model), str(out),
+            str(SEQ_LEN), str(MICRO_BATCH)]
+    proc = run_distributed("deepspeed", RANKS, argv, timeout=3600, cwd=ROOT, env=ALLOCATOR_ENV)
+    if proc.returncode != 0:
+        raise SystemExit(f"partitioned profile failed:\n{proc.stdout[-4000:]}")
+    measured = json.loads(out.read_text())
+    rise = max(rank["peak_bytes"] - rank["before_bytes"] for rank in measured["ranks"])
+    return {"profile_peak_rss_over_model_bytes": rise / measured["model_bytes"]}, {"partitioned_profile": measured}
+
+
 def main() -> None:
     args = parse_args()
     steps = 14 if args.quick else 24
     args.work.mkdir(parents=True, exist_ok=True)
     (args.work / "model.json").write_text(json.dumps({**MODEL, "vocab_size": 259}))
-    results = solve_80_layers()
+    profiled, profile_details = partitioned_profile(args.work)
+    if args.profile_only:
+        write_results(args.out, "bench_planner", args.quick, profiled, profile_details)
+        return
+    results = {**solve_80_layers(), **profiled}
     runs = {"planned": train("planned", planned_config(args.nvme, args.work), args.work, steps)}
     for name, config in baseline_configs(args.work, args.nvme).items():
         runs[name] = train(name, config, args.work, steps)
@@ -163,7 +195,8 @@ def main() -> None:
                "headroom_share": HEADROOM_SHARE,
                "plan_layers": plan["layers"], "plan_checks": checks,
                "peak_over_budget": {name: value / budget for name, value in peak.items()},
-               "model": MODEL, "seq_len": SEQ_LEN, "micro_batch": MICRO_BATCH, "steps": steps, "ranks": RANKS}
+               "model": MODEL, "seq_len": SEQ_LEN, "micro_batch": MICRO_BATCH, "steps": steps, "ranks": RANKS,
+               **profile_details}
     write_results(args.out, "bench_planner", args.quick, results, details)
 
 

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 from lazyzero.app.data.arithmetic import DIFFICULTIES
+from lazyzero.app.model_build import ZERO_INIT_CHOICES
 from lazyzero.config import LazyZeroConfigError, load_ds_config_file, validate_ds_config
 
 
@@ -46,6 +47,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--save-every", type=int, default=0, help="save a checkpoint every N steps (0: never)")
     p.add_argument("--save-dir", default=None, help="checkpoint folder (required with --save-every or --resume)")
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --save-dir")
+    p.add_argument("--zero-init", default="auto", choices=ZERO_INIT_CHOICES,
+                   help="build the model partitioned across the ranks (ZeRO-3 only): auto does it when the whole "
+                        "fp32 model is over 1 GiB (docs/plan.md, \"Planning partitioned models\")")
     p.add_argument("--local_rank", "--local-rank", type=int, default=-1, help="set by the deepspeed launcher")
     return p
 
@@ -95,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     from lazyzero.app.trainer import Trainer, load_training_inputs
 
     try:
-        inputs = load_training_inputs(args)
+        inputs = load_training_inputs(args, ds_config)
     except (ValueError, FileNotFoundError) as err:
         print(f"lazyzero: error: {err}", file=sys.stderr)
         return 2

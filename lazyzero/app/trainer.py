@@ -223,17 +223,23 @@ class TrainingInputs:
     model: torch.nn.Module
 
 
-def load_training_inputs(args: argparse.Namespace) -> TrainingInputs:
-    """Tokenizer, data and model; raises ValueError / FileNotFoundError naming the bad file or value."""
+def load_training_inputs(args: argparse.Namespace, ds_config: dict | None = None) -> TrainingInputs:
+    """Tokenizer, data and model; raises ValueError / FileNotFoundError naming the bad file or value.
+    With `ds_config`, the model may be built partitioned across the ranks (app/model_build.py), which
+    starts torch.distributed first."""
     from lazyzero.app.data.tokenizer import load_tokenizer
+    from lazyzero.app.model_build import start_ranks, zero_init_config
     from lazyzero.models import build_model
 
     _share_cpu_cores()
     _seed_every_generator(args.seed)
     tokenizer = load_tokenizer(args.tokenizer, model=args.model)
     train_set, eval_problems = _build_datasets(args, tokenizer)
+    partition_by = zero_init_config(args, ds_config, tokenizer.vocab_size)
+    if partition_by is not None:
+        start_ranks(ds_config)
     model = build_model(args.model, family=args.family, vocab_size=tokenizer.vocab_size,
-                        seed=args.seed, max_positions=max(args.seq_len, 256))
+                        seed=args.seed, max_positions=max(args.seq_len, 256), zero_init_config=partition_by)
     # Presets leave special ids unset (family defaults fall outside a byte vocabulary); a saved
     # checkpoint should name the tokens this run actually used.
     model.config.bos_token_id, model.config.eos_token_id = tokenizer.bos_id, tokenizer.eos_id

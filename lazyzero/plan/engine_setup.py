@@ -65,6 +65,7 @@ def problem_for_run(model: torch.nn.Module, ds_config: dict, settings, dist, act
     run them (None: the defaults)."""
     from lazyzero.plan.implied import calibration_ds_config
     from lazyzero.plan.problem_from_profile import problem_for_config, training_dtype
+    from lazyzero.plan.profile.materialize import held_bytes
     from lazyzero.plan.profile.profiler import ProfileSettings, load_or_profile
 
     if settings.gpu_mem is not None and not torch.cuda.is_available():
@@ -74,11 +75,7 @@ def problem_for_run(model: torch.nn.Module, ds_config: dict, settings, dist, act
         raise ValueError(f"lazyzero.plan.cpu_mem: got {settings.cpu_mem}; allowed: null while lazyzero.plan."
                          "headroom_share is set on a machine without CUDA (headroom_share sets the memory "
                          "training computes in)")
-    dtype = training_dtype(ds_config)
-    if next(model.parameters()).dtype != dtype:
-        # DeepSpeed casts the parameters to the training dtype when it partitions them; doing it
-        # first makes the profile time the layers in the dtype they will train in.
-        model.to(dtype)
+    cast_to_training_dtype(model, training_dtype(ds_config))
     size = PROFILE_COPY_BYTES
     offload_to_nvme = settings.nvme_path is not None and not torch.cuda.is_available()
     engine_config = calibration_ds_config(ds_config, model_sizes_of(model, dist.get_world_size()),
@@ -92,7 +89,8 @@ def problem_for_run(model: torch.nn.Module, ds_config: dict, settings, dist, act
     from lazyzero.plan.host_memory import resident_bytes
 
     # What this rank holds besides the model, now, just before the engine is built: that stays.
-    model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    # (Of a model partitioned by zero.Init, a rank holds its partitions; the plan counts those.)
+    model_bytes = sum(held_bytes(p) for p in model.parameters())
     problem, sizes = problem_for_config(profile, ds_config, settings, dist.get_world_size(), _local_ranks(dist),
                                         process_bytes=max(0, resident_bytes() - model_bytes),
                                         decide=lambda work: on_rank_zero(work, dist))
@@ -112,14 +110,34 @@ def headroom_line(problem: PlanProblem, settings) -> str:
             f"{settings.memory_reserve:g})")
 
 
+def cast_to_training_dtype(model: torch.nn.Module, dtype: torch.dtype) -> None:
+    """DeepSpeed casts whole parameters to the training dtype when it partitions them; doing it first
+    makes the profile time the layers in the dtype they will train in. A model zero.Init partitioned
+    already has the dtype zero.Init gave it (its config's), which casting cannot change."""
+    from lazyzero.plan.profile.materialize import is_partitioned
+
+    found = next(p.dtype for p in model.parameters() if p.is_floating_point())
+    if found == dtype:
+        return
+    if any(is_partitioned(p) for p in model.parameters()):
+        name = str(dtype).removeprefix("torch.")
+        raise ValueError(f"the model was partitioned by deepspeed.zero.Init in {str(found).removeprefix('torch.')}, "
+                         f"but this config trains in {name} (bf16/fp16 sections); build it under "
+                         "deepspeed.zero.Init(config_dict_or_path=<this config>) so that its partitions are "
+                         f"{name} (docs/plan.md, \"Planning partitioned models\")")
+    model.to(dtype)
+
+
 def model_sizes_of(model: torch.nn.Module, world_size: int):
-    """The element counts the ZeRO-3 settings are sized from, read off the model itself."""
+    """The element counts the ZeRO-3 settings are sized from, read off the model itself (whole sizes
+    of partitioned parameters)."""
     from lazyzero.plan.implied import ModelSizes
     from lazyzero.plan.profile.layers import decoder_layers
+    from lazyzero.plan.profile.materialize import full_numel
 
     layers = list(decoder_layers(model).values())
-    return ModelSizes(largest_layer_numel=max(sum(p.numel() for p in layer.parameters()) for layer in layers),
-                      largest_tensor_numel=max(p.numel() for p in model.parameters()),
+    return ModelSizes(largest_layer_numel=max(sum(full_numel(p) for p in layer.parameters()) for layer in layers),
+                      largest_tensor_numel=max(full_numel(p) for p in model.parameters()),
                       tensors_per_layer=max(len(list(layer.parameters())) for layer in layers), world_size=world_size)
 
 

@@ -24,12 +24,19 @@ makes both choices per parameter name (`ZeroPlacement`):
   host buffer (sized by `max_in_cpu` otherwise) holds exactly them. DeepSpeed's grad norm is
   combined in the natural sub-group order, so the reordering does not change a bit of the clip
   factor (measured: combined in the reordered order it is one ulp off at the first step).
+- A model built under `deepspeed.zero.Init` was partitioned before any plan existed, into memory
+  (zero.Init without `offload_param`): the partitions of the parameters named in `param_nvme` are
+  moved to NVMe before the optimizer is built, as `_partition_param` puts a partition there at
+  conversion (a swap buffer, a copy, a write), through one parameter swapper that every parameter
+  then shares, as those of one zero.Init do (docs/plan.md, "Planning partitioned models"). A model
+  zero.Init already put on NVMe (its own `offload_param`) is refused: its swap files are in a folder
+  of its own choosing, and the plan decides what goes where.
 - Checkpoints: the sub-groups' cut and tiers are part of a checkpoint's layout, as `sub_group_size`
-  is for DeepSpeed; `check_checkpoint_tiers` refuses a restore under another placement.
+  is for DeepSpeed; `check_checkpoint_tiers` (lazyzero/checkpoint/sub_group_tiers.py) refuses a
+  restore under another placement.
 
-Use, inside the engine: `with zero_placement(placement): super()._configure_zero_optimizer(optimizer)`;
-the parameters must not have been partitioned already (no `deepspeed.zero.Init`). `placement_problems`
-checks a placement against the ZeRO settings before anything is built.
+Use, inside the engine: `with zero_placement(placement): super()._configure_zero_optimizer(optimizer)`.
+`placement_problems` checks a placement against the ZeRO settings before anything is built.
 """
 
 from __future__ import annotations
@@ -165,6 +172,9 @@ class TieredZeroOptimizer_Stage3(DeepSpeedZeroOptimizer_Stage3):
         self._param_nvme_ids = (None if placement.param_nvme is None else
                                 {id(p) for p, name in param_names.items() if name in placement.param_nvme})
         self._natural_sub_group_order = None
+        if self._param_nvme_ids is not None:
+            place_partitioned_parameters(module, self._param_nvme_ids, kwargs.get("offload_param_config"),
+                                         kwargs.get("aio_config"))
         with _parameters_partitioned_by_placement(self._param_nvme_ids):
             super().__init__(module, init_optimizer, param_names, *args, **kwargs)
         print_dist(f"lazyzero: ZeRO-3 placement: {self.tier_report()}", ranks=[0])
@@ -267,54 +277,59 @@ class TieredZeroOptimizer_Stage3(DeepSpeedZeroOptimizer_Stage3):
         return report
 
 
-def check_checkpoint_tiers(zero_optimizer, saved_fp32_groups: list) -> None:
-    """Refuse to restore an NVMe-offloaded ZeRO-3 checkpoint whose sub-groups were cut, ordered or
-    tiered otherwise than this run's (another placement or sub_group_size).
-
-    `saved_fp32_groups`: the checkpoint's FP32_FLAT_GROUPS for this rank. Each keeps the `ds_id` of
-    its sub-group ("first_last" ZeRO parameter ids); a swapped sub-group's fp32 master lives in its
-    swap file and is saved as an empty placeholder, an in-memory one in full. Restoring across a
-    change would copy one layer's state into another's, or read swap files that hold a freshly
-    initialized state.
-    """
-    current = zero_optimizer.fp32_partitioned_groups_flat
-    if len(saved_fp32_groups) != len(current):
-        raise ValueError(f"the checkpoint holds {len(saved_fp32_groups)} ZeRO-3 optimizer sub-groups, this run "
-                         f"{len(current)}: {_RESUME_ALIKE}")
-    for index, saved in enumerate(saved_fp32_groups):
-        where = _sub_group_name(zero_optimizer, index)
-        saved_id = getattr(saved, "ds_id", None)
-        if saved_id is not None and saved_id != current[index].ds_id:
-            raise ValueError(f"the checkpoint's optimizer sub-group {index} holds ZeRO parameters {saved_id}, this "
-                             f"run's ({where}) {current[index].ds_id}: {_RESUME_ALIKE}")
-        swapped = zero_optimizer._swappable_optimizer_subgroup(index)
-        numel = int(zero_optimizer.fp16_partitioned_groups_flat_numel[index])
-        if saved.numel() != (0 if swapped else numel):
-            was = "swapped to NVMe" if saved.numel() == 0 else f"in memory ({saved.numel()} elements)"
-            now = "swaps it to NVMe" if swapped else f"keeps it in memory ({numel} elements)"
-            raise ValueError(f"the optimizer state of {where} was saved {was}, but this run {now}: {_RESUME_ALIKE}")
-
-
-_RESUME_ALIKE = "resume with the placement and sub_group_size the checkpoint was saved with"
-
-
-def _sub_group_name(zero_optimizer, index: int) -> str:
-    first = zero_optimizer.fp16_groups[index][0]
-    name = getattr(zero_optimizer, "param_names", {}).get(first, f"ZeRO id {first.ds_id}")
-    return f"the sub-group starting at {name}"
-
-
 def check_placement_names(placement: ZeroPlacement, param_names: dict, module) -> None:
     """Refuse names the model lacks (`param_names`: parameter -> name, as DeepSpeed's engine keeps
-    them), and parameter tiers for a model that zero.Init has partitioned already."""
+    them), and parameter tiers for a model that zero.Init put on NVMe itself."""
     known = set(param_names.values())
     unknown = sorted((placement.optimizer_nvme | (placement.param_nvme or frozenset())) - known)
     if unknown:
         shown = ", ".join(unknown[:5]) + (f" and {len(unknown) - 5} more" if len(unknown) > 5 else "")
         raise ValueError(f"ZeRO placement names parameters the model does not have: {shown}")
-    if placement.param_nvme is not None and any(hasattr(p, "ds_id") for p in module.parameters()):
-        raise ValueError("a ZeRO placement with param_nvme needs the model built without deepspeed.zero.Init: its "
-                         "parameters are partitioned (and placed by offload_param) already")
+    if placement.param_nvme is not None and any(_partition_on_nvme(p) for p in module.parameters()):
+        raise ValueError("a ZeRO placement with param_nvme needs a model whose parameters are in memory: "
+                         "deepspeed.zero.Init put some on NVMe (offload_param device 'nvme' in the config or "
+                         "remote_device given to zero.Init); build it under zero.Init without offload_param, "
+                         "and the placement puts the planned layers on NVMe")
+
+
+def _partition_on_nvme(param) -> bool:
+    partition = getattr(param, "ds_tensor", None)
+    return partition is not None and getattr(partition, "final_location", None) == OffloadDeviceEnum.nvme
+
+
+def place_partitioned_parameters(module, nvme_ids: set[int], offload_param_config, aio_config) -> None:
+    """Move the in-memory partitions of `module`'s already partitioned parameters whose ids are in
+    `nvme_ids` to NVMe, as zero.Init does at conversion (module docstring); those too small for the
+    swapper stay in memory, as there. Every partitioned parameter gets the swapper (DeepSpeed's
+    stage-3 optimizer reaches it through the first parameter of the first sub-group)."""
+    partitioned = [p for p in module.parameters() if hasattr(p, "ds_id") and p.ds_tensor is not None]
+    if not partitioned or _device(offload_param_config) != OffloadDeviceEnum.nvme:
+        return
+    swapper = _parameter_swapper(partitioned[0].dtype, offload_param_config, aio_config)
+    for param in partitioned:
+        param.nvme_swapper = swapper
+        if id(param) in nvme_ids and swapper.swappable_tensor(param=param):
+            _partition_to_nvme(param, swapper)
+
+
+def _parameter_swapper(dtype: torch.dtype, offload_param_config, aio_config):
+    from types import SimpleNamespace
+
+    from deepspeed.runtime.swap_tensor.partitioned_param_swapper import AsyncPartitionedParameterSwapper
+
+    # The swapper reads these two fields of a DeepSpeedConfig, and nothing else.
+    config = SimpleNamespace(zero_config=SimpleNamespace(offload_param=offload_param_config), aio_config=aio_config)
+    return AsyncPartitionedParameterSwapper(config, dtype)
+
+
+def _partition_to_nvme(param, swapper) -> None:
+    """`zero.Init._partition_param`'s first-time NVMe branch, for a partition that exists already."""
+    partition = param.ds_tensor
+    buffer = swapper.get_buffer(param, partition.ds_numel)
+    buffer.copy_(partition.data)
+    partition.data = buffer.data
+    partition.final_location = OffloadDeviceEnum.nvme
+    swapper.swap_out_and_release([param])
 
 
 @contextmanager

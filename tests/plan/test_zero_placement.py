@@ -274,13 +274,18 @@ def test_the_stage_3_class_is_replaced_only_inside_the_context():
     assert stage3.DeepSpeedZeroOptimizer_Stage3 is original
 
 
-def test_unknown_names_and_partitioned_models_are_refused():
+def test_unknown_names_and_models_zero_init_put_on_nvme_are_refused():
+    from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum
+
     model = torch.nn.Sequential(torch.nn.Linear(2, 2))
     param_names = {param: name for name, param in model.named_parameters()}
     check_placement_names(ZeroPlacement(frozenset({"0.weight"}), frozenset({"0.bias"})), param_names, model)
     with pytest.raises(ValueError, match=r"does not have: 0\.wieght"):
         check_placement_names(ZeroPlacement(frozenset({"0.wieght"})), param_names, model)
-    model[0].weight.ds_id = 0  # what zero.Init leaves on a parameter it has partitioned
-    check_placement_names(ZeroPlacement(frozenset({"0.weight"})), param_names, model)
-    with pytest.raises(ValueError, match="zero.Init"):
+    # What zero.Init leaves on a parameter it has partitioned into memory: the placement moves it.
+    model[0].weight.ds_id, model[0].weight.ds_tensor = 0, torch.zeros(2)
+    model[0].weight.ds_tensor.final_location = None
+    check_placement_names(ZeroPlacement(param_nvme=frozenset({"0.weight"})), param_names, model)
+    model[0].weight.ds_tensor.final_location = OffloadDeviceEnum.nvme  # zero.Init's own offload_param: nvme
+    with pytest.raises(ValueError, match="zero.Init without offload_param"):
         check_placement_names(ZeroPlacement(param_nvme=frozenset({"0.weight"})), param_names, model)

@@ -33,7 +33,15 @@ from torch import nn
 from lazyzero.activations import ActivationPolicy
 from lazyzero.config.models import ActivationsConfig
 from lazyzero.plan.problem import REDUCED_WIDTHS
-from lazyzero.plan.profile.layers import ModelCalls, PassThrough, decoder_bench, layers_replaced, profiling_config
+from lazyzero.plan.profile.layers import (
+    ModelCalls,
+    PassThrough,
+    decoder_bench,
+    decoder_layers,
+    head_shell,
+    layers_replaced,
+    profiling_config,
+)
 
 
 def grad_errors(model: nn.Module, calls: ModelCalls, batch: dict, config: ActivationsConfig, device: torch.device,
@@ -44,7 +52,7 @@ def grad_errors(model: nn.Module, calls: ModelCalls, batch: dict, config: Activa
         raise ValueError(f"{type(model).__name__}: a decoder layer is not fed the previous layer's output, so the "
                          "gradient at its input is not the one at that output (gradient errors need a chain of layers)")
     policies = {bits: ActivationPolicy(profiling_config(config, bits)) for bits in REDUCED_WIDTHS}
-    grad_out = loss_gradient_at_last_layer(model, calls, batch)
+    grad_out = loss_gradient_at_last_layer(model, calls, batch, device)
     errors = {}
     for done, name in enumerate(reversed(calls.calls), start=1):
         bench = decoder_bench(model, name, calls.calls[name], device, seed, grad_out=grad_out)
@@ -56,17 +64,18 @@ def grad_errors(model: nn.Module, calls: ModelCalls, batch: dict, config: Activa
     return {name: errors[name] for name in calls.calls}
 
 
-def loss_gradient_at_last_layer(model: nn.Module, calls: ModelCalls, batch: dict) -> torch.Tensor:
-    """The loss's gradient at the last decoder layer's output: the model run with its decoder layers
-    standing aside and the last one returning its recorded output (final norm, head and loss run as
-    in training). The parameters' own `.grad` stay untouched."""
+def loss_gradient_at_last_layer(model: nn.Module, calls: ModelCalls, batch: dict,
+                                device: torch.device | None = None) -> torch.Tensor:
+    """The loss's gradient at the last decoder layer's output: a copy of the model with its decoder
+    layers standing aside and the last one returning its recorded output (final norm, head and loss
+    run as in training), on `device` (default: the batch's). The model itself is left untouched."""
+    device = device or next(iter(batch.values())).device
     names = list(calls.calls)
     returns_tuple = calls.calls[names[-1]].returns_tuple
-    last = calls.last_output.detach().clone().requires_grad_(True)
-    stand_ins = {name: PassThrough(returns_tuple) for name in names[:-1]}
-    stand_ins[names[-1]] = PassThrough(returns_tuple, output=last)
-    with layers_replaced(model, stand_ins):
-        loss = model(**batch).loss
+    last = calls.last_output.detach().to(device).requires_grad_(True)
+    shell = head_shell(model, list(decoder_layers(model)), returns_tuple, device)
+    with layers_replaced(shell, {names[-1]: PassThrough(returns_tuple, output=last)}):
+        loss = shell(**{key: value.to(device) for key, value in batch.items()}).loss
     return torch.autograd.grad(loss, last)[0]
 
 
@@ -79,8 +88,16 @@ def gradient_error(found: list[torch.Tensor | None], exact: list[torch.Tensor | 
 def relative_l2(found: list[torch.Tensor | None], exact: list[torch.Tensor | None]) -> float:
     """||found - exact|| / ||exact|| over all the tensors as one vector, in fp64 (None: no gradient,
     the same in both). An all-zero exact gradient (nothing reaches it) has nothing to lose: 0."""
-    pairs = [(f.double(), e.double()) for f, e in zip(found, exact) if e is not None]
-    norm = sum(float(e.pow(2).sum()) for _, e in pairs)
+    # One tensor at a time in fp64: a whole layer's gradients at once would hold 4 times its
+    # parameters' bytes again (the profile runs inside the budget being planned for).
+    sums = [_squares(f, e) for f, e in zip(found, exact) if e is not None]
+    norm = sum(exact_sum for _, exact_sum in sums)
     if norm == 0:
         return 0.0
-    return math.sqrt(sum(float((f - e).pow(2).sum()) for f, e in pairs) / norm)
+    return math.sqrt(sum(error_sum for error_sum, _ in sums) / norm)
+
+
+def _squares(found: torch.Tensor, exact: torch.Tensor) -> tuple[float, float]:
+    """(sum of (found - exact)^2, sum of exact^2), in fp64."""
+    exact = exact.double()
+    return float((found.double() - exact).pow(2).sum()), float(exact.pow(2).sum())

@@ -1,15 +1,18 @@
 """Per-layer measurements of the planner's profile: time, saved activations and memory of one decoder
 layer and of the embedding + head, for one micro-batch of the run's shape (docs/plan.md).
 
-A decoder layer is measured alone, on a deep copy of it, fed what the model really passes it: one
-forward of the model without autograd keeps every decoder layer's arguments (hidden states, rotary
-cos/sin, mask, cache flags). The copy sits in an empty shell under its model name (`model.layers.0`),
-so that the activation policy classifies and names its modules as in the model. The batch is
-right-padded like lazyzero's training data, so the model builds the explicit attention mask it builds
-in training.
+A decoder layer is measured alone, on a whole copy of it (`materialize.py`: the model may be
+whole, partitioned by zero.Init or on the meta device), fed what the model really passes it. The
+model's forward is replayed one layer at a time, without autograd: a copy of the model whose decoder
+layers are pass-throughs runs the embedding, mask and rotary set-up and records what each layer is
+called with (rotary cos/sin, mask, cache flags); then each layer's copy, in turn, computes the hidden
+states the next one receives. No rank holds more than one decoder layer whole. The copy sits in an
+empty shell under its model name (`model.layers.0`), so that the activation policy classifies and
+names its modules as in the model. The batch is right-padded like lazyzero's training data, so the
+model builds the explicit attention mask it builds in training.
 
-The embedding + head is measured on a copy of the model whose decoder layers are pass-throughs:
-embedding, mask and rotary set-up, final norm, lm_head and loss, as one training step runs them.
+The embedding + head is measured on the copy with pass-through decoder layers: embedding, mask and
+rotary set-up, final norm, lm_head and loss, as one training step runs them.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from lazyzero.activations.policy import is_decoder_layer, layer_index
 from lazyzero.config.models import ActivationsConfig
 from lazyzero.plan.problem import BIT_WIDTHS
 from lazyzero.plan.profile.data import TensorInfo
+from lazyzero.plan.profile.materialize import full_numel, materialized
 from lazyzero.plan.profile.measure import heap_sampling_available, phase_memory, synchronize
 
 IGNORE_INDEX = -100
@@ -54,13 +58,12 @@ def decoder_layers(model: nn.Module) -> dict[str, nn.Module]:
 
 def tensor_table(model: nn.Module, prefix: str = "", skip: tuple[str, ...] = ()) -> dict[str, TensorInfo]:
     """Full element count and dtype of each parameter under `prefix`, skipping names under `skip`
-    (ZeRO-3 partitioned parameters report their full size, `ds_numel`)."""
+    (ZeRO-3 partitioned parameters report their full size, `ds_numel`; meta ones their shape's)."""
     table = {}
     for name, param in model.named_parameters():
         if not name.startswith(prefix) or any(name.startswith(s + ".") for s in skip):
             continue
-        numel = param.ds_numel if hasattr(param, "ds_numel") else param.numel()
-        table[name] = TensorInfo(int(numel), str(param.dtype).removeprefix("torch."))
+        table[name] = TensorInfo(full_numel(param), str(param.dtype).removeprefix("torch."))
     return table
 
 
@@ -97,9 +100,41 @@ class ModelCalls:
     chained: bool
 
 
-def capture_layer_calls(model: nn.Module, layers: dict[str, nn.Module], batch: dict) -> ModelCalls:
-    """Run the model on `batch` without autograd, keeping what each of `layers` was called with."""
-    calls, outputs, caches = {}, {}, {}
+def capture_layer_calls(model: nn.Module, layers: dict[str, nn.Module], batch: dict,
+                        device: torch.device | None = None) -> ModelCalls:
+    """The model's forward on `batch` without autograd, one layer at a time (module docstring), on
+    `device` (default: the batch's), keeping what each of `layers` was called with."""
+    device = device or next(iter(batch.values())).device
+    batch = {key: value.to(device) for key, value in batch.items()}
+    names = list(layers)
+    hidden, args, kwargs = _recorded_calls(model, names[:1], batch, device, stop_after_first=True)[names[0]]
+    layer = materialized(layers[names[0]], model, device)
+    returns_tuple = isinstance(_layer_output(layer, LayerCall(hidden, args, kwargs, False)), tuple)
+    del layer
+    recorded = _recorded_calls(model, names, batch, device, returns_tuple=returns_tuple)
+    # Between layers the pass-through model hands each its predecessor's output (its own input): a
+    # layer fed anything else sits behind a step of the model's own, which a replay would skip.
+    chained = all(recorded[name][0] is recorded[previous][0] for previous, name in zip(names, names[1:]))
+    calls, hidden = {}, recorded[names[0]][0]
+    for name in names:
+        _, args, kwargs = recorded[name]
+        calls[name] = LayerCall(hidden.detach(), args, kwargs, returns_tuple)
+        layer = materialized(layers[name], model, device)
+        hidden = _first(_layer_output(layer, calls[name])).detach()
+        del layer
+    return ModelCalls(calls, hidden, chained)
+
+
+class _FirstCallRecorded(Exception):
+    """Ends the recording forward once the first decoder layer's arguments are known."""
+
+
+def _recorded_calls(model: nn.Module, names: list[str], batch: dict, device: torch.device,
+                    returns_tuple: bool = False, stop_after_first: bool = False) -> dict[str, tuple]:
+    """name -> (hidden states, args, kwargs) each decoder layer in `names` receives in a forward of
+    the embedding + head copy (`head_shell`), every decoder layer a pass-through."""
+    shell = head_shell(model, list(decoder_layers(model)), returns_tuple, device)
+    calls, caches = {}, {}
 
     def before(name, module, args, kwargs):
         # The model's cache fills up layer by layer: every call gets a copy of it as layer 0 saw it (empty).
@@ -109,28 +144,28 @@ def capture_layer_calls(model: nn.Module, layers: dict[str, nn.Module], batch: d
         kwargs = {key: caches.get(key, value) for key, value in kwargs.items()}
         hidden = args[0] if args else kwargs.pop("hidden_states")
         calls[name] = (hidden, tuple(args[1:]), kwargs)
+        if stop_after_first:
+            raise _FirstCallRecorded
 
-    def after(name, module, args, output):
-        outputs[name] = output
-
-    handles = []
-    for name, layer in layers.items():
-        handles += [layer.register_forward_pre_hook(functools.partial(before, name), with_kwargs=True),
-                    layer.register_forward_hook(functools.partial(after, name))]
+    handles = [shell.get_submodule(name).register_forward_pre_hook(functools.partial(before, name), with_kwargs=True)
+               for name in names]
     try:
         with torch.no_grad():
-            model(**batch)
+            shell(**batch)
+    except _FirstCallRecorded:
+        pass
     finally:
         for handle in handles:
             handle.remove()
-    missing = [name for name in layers if name not in outputs]
+    missing = [name for name in names if name not in calls]
     if missing:
         raise RuntimeError(f"the model's forward never called its decoder layers {missing}")
-    names = list(layers)
-    chained = all(calls[name][0] is _first(outputs[previous]) for previous, name in zip(names, names[1:]))
-    return ModelCalls({name: LayerCall(hidden.detach(), args, kwargs, isinstance(outputs[name], tuple))
-                       for name, (hidden, args, kwargs) in calls.items()},
-                      _first(outputs[names[-1]]).detach(), chained)
+    return calls
+
+
+def _layer_output(layer: nn.Module, call: LayerCall):
+    with torch.no_grad():
+        return layer(call.hidden_states, *call.args, **_fresh_caches(call.kwargs))
 
 
 def _pristine(value):
@@ -309,8 +344,8 @@ def profiling_config(config: ActivationsConfig, bits: int) -> ActivationsConfig:
 
 def decoder_bench(model: nn.Module, name: str, call: LayerCall, device: torch.device, seed: int,
                   grad_out: torch.Tensor | None = None) -> LayerBench:
-    """A deep copy of decoder layer `name`, alone, called as the model calls it."""
-    layer = copy.deepcopy(dict(model.named_modules())[name]).to(device).train()
+    """A whole copy of decoder layer `name`, alone, called as the model calls it."""
+    layer = materialized(model.get_submodule(name), model, device, seed).train()
     shell = _in_shell(name, layer)
     args, kwargs = _to_device(call.args, device), _to_device(call.kwargs, device)
     return LayerBench(shell, lambda x: _first(layer(x, *args, **_fresh_caches(kwargs))), call.hidden_states.to(device),
@@ -344,12 +379,18 @@ def layers_replaced(model: nn.Module, stand_ins: dict[str, nn.Module]):
             _replace(model, name, module)
 
 
+def head_shell(model: nn.Module, layer_names: list[str], returns_tuple: bool, device: torch.device,
+               seed: int = 0) -> nn.Module:
+    """A whole copy of the model with pass-through decoder layers (embedding, set-up, final norm, head)."""
+    with layers_replaced(model, {name: PassThrough(returns_tuple) for name in layer_names}):
+        shell = materialized(model, model, device, seed)
+    return shell.train()
+
+
 def head_bench(model: nn.Module, layer_names: list[str], returns_tuple: bool, batch: dict,
                device: torch.device, seed: int) -> LayerBench:
     """A copy of the model with pass-through decoder layers; its "output" is the loss."""
-    with layers_replaced(model, {name: PassThrough(returns_tuple) for name in layer_names}):
-        shell = copy.deepcopy(model)
-    shell.to(device).train()
+    shell = head_shell(model, layer_names, returns_tuple, device, seed)
     forward = functools.partial(_loss_of, shell, batch)
     return LayerBench(shell, forward, None, device, seed)
 

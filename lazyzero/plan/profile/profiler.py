@@ -49,6 +49,7 @@ from lazyzero.plan.profile.data import (
     MemorySnapshot,
     ModelProfile,
 )
+from lazyzero.plan.profile.materialize import held_bytes
 from lazyzero.plan.profile.measure import process_rss_bytes
 
 # Config keys that do not change what a training step computes (labels, special ids, output flags).
@@ -148,10 +149,10 @@ def fingerprint(model: nn.Module, request: _Request) -> Fingerprint:
 
 
 def memory_snapshot(model: nn.Module) -> MemorySnapshot:
-    def nbytes(tensors):
-        return sum(t.numel() * t.element_size() for t in tensors)
-
-    return MemorySnapshot(process_rss_bytes(), nbytes(model.parameters()), nbytes(model.buffers()))
+    """The resident set, and what this rank holds of the model (of a partitioned parameter its
+    partition, of a meta one nothing)."""
+    buffers = sum(t.numel() * t.element_size() for t in model.buffers() if not t.is_meta)
+    return MemorySnapshot(process_rss_bytes(), sum(held_bytes(p) for p in model.parameters()), buffers)
 
 
 class _Phases:
@@ -182,8 +183,11 @@ def profile_model(model: nn.Module, *, micro_batch: int, seq_len: int, nvme_path
                   ds_config: dict | None = None, activations: ActivationsConfig | None = None,
                   settings: ProfileSettings = ProfileSettings(), device: torch.device | str | None = None,
                   progress: bool = True) -> ModelProfile:
-    """Measure `model` (a full, unpartitioned transformers causal LM, left unchanged) for micro-batches
-    of `micro_batch` x `seq_len` on `device` (default: the current CUDA device, else the CPU).
+    """Measure `model` (a transformers causal LM, left unchanged: whole, partitioned by
+    `deepspeed.zero.Init`, or on the meta device) for micro-batches of `micro_batch` x `seq_len` on
+    `device` (default: the current CUDA device, else the CPU). The model is measured one decoder layer
+    at a time, on whole copies (`materialize.py`): no rank holds the whole model; a partitioned
+    model's layers are gathered one by one, so every rank must call this (they all do anyway).
 
     nvme_path: folder whose aio write/read speed is measured, with `ds_config`'s "aio" section.
     activations: the activation config whose policy the packer uses (default_bits is replaced by
@@ -219,8 +223,8 @@ def _layer_rows(model: nn.Module, request: _Request, phases: _Phases):
         raise ValueError(f"{type(model).__name__}: no decoder layers found "
                          "(named like model.layers.N or transformer.h.N)")
     batch = layers_.profiling_batch(request.micro_batch, request.seq_len, model.config.vocab_size,
-                                    next(model.parameters()).device, request.settings.seed)
-    calls = layers_.capture_layer_calls(model, decoder, batch)
+                                    request.device, request.settings.seed)
+    calls = layers_.capture_layer_calls(model, decoder, batch, request.device)
     phases.start("layers")
     measured, shared = _decoder_measurements(model, request, decoder, calls)
     phases.done()

@@ -45,7 +45,7 @@ def deepspeed_internals() -> list[str]:
     lowest, highest = TESTED_DEEPSPEED
     tested = Version(lowest) <= Version(deepspeed.__version__) <= Version(highest)
     where = "inside" if tested else "outside"
-    return (problems or [f"ok: all {len(PATCH_POINTS)} declared patch points match"]) + [
+    return (problems or [f"DeepSpeed internals: OK (all {len(PATCH_POINTS)} declared patch points match)"]) + [
         f"DeepSpeed {deepspeed.__version__}: {where} the tested range {lowest} to {highest}"]
 
 

@@ -77,7 +77,7 @@ def test_env_reports_versions_ops_internals_nvme_mpi_and_accelerators():
     assert f"torch: {torch.__version__}" in report["versions"]
     assert f"deepspeed: {deepspeed.__version__}" in report["versions"]
     assert report["native ops"][0].startswith("cpu ") and report["native ops"][1].startswith("cuda ")
-    assert report["DeepSpeed internals"][0].startswith("ok: all ")
+    assert report["DeepSpeed internals"][0].startswith("DeepSpeed internals: OK (all ")
     assert report["DeepSpeed internals"][-1].startswith(f"DeepSpeed {deepspeed.__version__}: inside the tested range ")
     assert any(line.startswith("DeepSpeed async_io op: ") for line in report["NVMe offload"])
     assert any(line.startswith("DeepSpeed accelerator: ") for line in report["accelerators"])

@@ -29,6 +29,13 @@ over the plan's, steps after the warm-up and the re-planning), and each run's pe
    optimizer and copy tests, libraries loaded on first use) exceeds the 8-layer model's 0.2 GB, so
    the figure is taken on a model deep enough for the model to be what is measured; the details keep
    each phase's rise. `--profile-only` measures just this.
+4. A run larger than memory: the `1b` preset (1.1B parameters, built partitioned by `lazyzero train`)
+   through the planner under `ds_configs/cpu_1b_planned.json` (a budget 5% of the way from the least
+   that admits a plan to the all-in-memory peak, NVMe at `--nvme`). Keys:
+   `larger_than_memory_state_over_budget` (the run's whole training state, counted as mixed-precision
+   Adam's 16 bytes per parameter, over the per-rank budget; the details also give each rank's share
+   over its budget, `state_per_rank_over_budget`), `larger_than_memory_pred_error_step_time` and
+   `..._peak_mem` (the first plan's check). `--larger-than-memory-only` runs just this.
 """
 
 from __future__ import annotations
@@ -58,6 +65,11 @@ PROFILE_LAYERS = 32
 WARMUP_STEPS = 2
 # A planned run compares after steps 2-4 and may plan again; its steps from here on are timed.
 PLANNED_STEADY_FROM = 9
+# The larger-than-memory run: the `1b` preset (1.1B parameters) on RANKS ranks, a few steps of short
+# sequences (each step moves the optimizer state through NVMe). Its training state is counted as
+# mixed-precision Adam's (bf16 parameters and gradients, fp32 master and two moments: 16 bytes per
+# parameter), whatever formats the plan chose.
+LARGER_STEPS, LARGER_SEQ_LEN, MIXED_PRECISION_ADAM_BYTES = 6, 64, 16
 # The allocator settings lazyzero applies for a planned run (lazyzero/plan/host_memory.py), given
 # to every run so that the baselines are measured with the same allocator.
 ALLOCATOR_ENV = {"MALLOC_MMAP_THRESHOLD_": "262144", "MALLOC_TRIM_THRESHOLD_": "1048576", "MALLOC_ARENA_MAX": "2"}
@@ -71,6 +83,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--nvme", default="/var/tmp", help="NVMe folder for every run")
     parser.add_argument("--profile-only", action="store_true",
                         help="only profile_peak_rss_over_model_bytes (about 4 minutes here), not the training runs")
+    parser.add_argument("--larger-than-memory-only", action="store_true",
+                        help="only the larger-than-memory run (the 1b preset, item 4 above)")
     return parser.parse_args()
 
 
@@ -95,13 +109,15 @@ def planned_config(nvme: str, work: Path) -> dict:
     return config
 
 
-def train(name: str, config: dict, work: Path, steps: int) -> list[dict]:
+def train(name: str, config: dict, work: Path, steps: int, model: str | None = None,
+          seq_len: int = SEQ_LEN) -> list[dict]:
     folder = work / name
     folder.mkdir(parents=True, exist_ok=True)
     config_path = folder / "ds_config.json"
     config_path.write_text(json.dumps(config, indent=1))
-    argv = ["--module", "lazyzero.train", "--deepspeed_config", str(config_path), "--model", str(work / "model.json"),
-            "--seq-len", str(SEQ_LEN), "--max-steps", str(steps), "--eval-problems", "0", "--output-dir", str(folder)]
+    model = model or str(work / "model.json")
+    argv = ["--module", "lazyzero.train", "--deepspeed_config", str(config_path), "--model", model,
+            "--seq-len", str(seq_len), "--max-steps", str(steps), "--eval-problems", "0", "--output-dir", str(folder)]
     print(f"[bench_planner] {name}: {steps} steps", flush=True)
     started = time.perf_counter()
     proc = run_distributed("deepspeed", RANKS, argv, timeout=3600, cwd=ROOT, env=ALLOCATOR_ENV)
@@ -164,16 +180,44 @@ def partitioned_profile(work: Path) -> tuple[dict, dict]:
     return {"profile_peak_rss_over_model_bytes": rise / measured["model_bytes"]}, {"partitioned_profile": measured}
 
 
+def larger_than_memory(work: Path, nvme: str) -> tuple[dict, dict]:
+    """(results, details) of the `1b` preset trained through the planner under a budget a fraction of its
+    training state (ds_configs/cpu_1b_planned.json, its NVMe folder replaced by `nvme`)."""
+    config = json.loads((ROOT / "ds_configs" / "cpu_1b_planned.json").read_text())
+    config["lazyzero"]["plan"].update(nvme_path=nvme, output_dir=str(work / "larger_than_memory" / "plan"))
+    records = train("larger_than_memory", config, work, LARGER_STEPS, model="1b", seq_len=LARGER_SEQ_LEN)
+    report = json.loads((work / "larger_than_memory" / "report.json").read_text())
+    budget, first = report["compute_budget_per_rank_bytes"], report["plan_checks"][0]
+    state = report["parameters"] * MIXED_PRECISION_ADAM_BYTES
+    results = {"larger_than_memory_state_over_budget": state / budget,
+               "larger_than_memory_pred_error_step_time": abs(first["step_time_error"]),
+               "larger_than_memory_pred_error_peak_mem": abs(first["peak_error"])}
+    details = {"larger_than_memory": {
+        "model": "1b", "parameters": report["parameters"], "seq_len": LARGER_SEQ_LEN, "steps": LARGER_STEPS,
+        "budget_per_rank_bytes": budget, "training_state_bytes": state,
+        "state_per_rank_over_budget": state / report["world_size"] / budget,
+        "peak_rss_bytes": max(r["peak_mem_bytes"] for r in records), "plan_checks": report["plan_checks"],
+        "plan_layers": report["plan"]["layers"], "step_s": [r["step_time_s"] for r in records],
+        "setup_time_s": report.get("setup_time_s"), "wall_time_s": report.get("wall_time_s")}}
+    return results, details
+
+
 def main() -> None:
     args = parse_args()
     steps = 14 if args.quick else 24
     args.work.mkdir(parents=True, exist_ok=True)
+    if args.larger_than_memory_only:
+        write_results(args.out, "bench_planner", args.quick, *larger_than_memory(args.work, args.nvme))
+        return
     (args.work / "model.json").write_text(json.dumps({**MODEL, "vocab_size": 259}))
     profiled, profile_details = partitioned_profile(args.work)
     if args.profile_only:
         write_results(args.out, "bench_planner", args.quick, profiled, profile_details)
         return
     results = {**solve_80_layers(), **profiled}
+    larger, larger_details = larger_than_memory(args.work, args.nvme)
+    results.update(larger)
+    profile_details.update(larger_details)
     runs = {"planned": train("planned", planned_config(args.nvme, args.work), args.work, steps)}
     for name, config in baseline_configs(args.work, args.nvme).items():
         runs[name] = train(name, config, args.work, steps)

@@ -1,7 +1,7 @@
 """The memory planner against its baselines under one host-memory budget (docs/plan.md).
 
     python benchmarks/bench_planner.py --quick --out benchmarks/results/bench_planner.json
-    python benchmarks/bench_planner.py --profile-only --out benchmarks/results/bench_planner_profile.json
+    python benchmarks/bench_planner.py --profile-only --out /tmp/bench_planner_profile.json   # one part alone
 
 1. `solve_s_80_layers`: the MILP on an 80-layer instance (`lazyzero.plan.instances`), with its gap.
 2. One model whose full training state does not fit the budget (a 103M-parameter Llama in bf16 on 2

@@ -337,3 +337,39 @@ def test_a_planned_run_applies_the_configured_bound():
     loose = default.model_copy(update={"max_grad_error": 0.1})
     problem, _ = problem_for_config(made_up_profile(), ds_config, loose, 2, 2, process_bytes=0)
     assert all(c.act_widths == (16, 8, 4) for c in problem.layers)
+
+
+def test_engine_memory_excess_is_extrapolated_to_the_models_depth():
+    from lazyzero.plan.calibrate import engine_memory_excess
+
+    # The demo preset's engines, each alone in a process: 57 and 94 MB above the formulas at 1 and 3
+    # decoder layers (134 MB measured at 6).
+    assert engine_memory_excess([(3, 94 * MB), (1, 57 * MB)], 6) == pytest.approx(149.5 * MB)
+    assert engine_memory_excess([(1, 57 * MB), (3, 94 * MB)], 3) == pytest.approx(94 * MB)
+    # A line falling with depth is not memory given back: the larger measured excess stays.
+    assert engine_memory_excess([(1, 57 * MB), (3, 40 * MB)], 6) == 57 * MB
+    assert engine_memory_excess([(1, -20 * MB), (3, -30 * MB)], 6) == 0.0
+
+
+def test_the_engine_calibration_moves_the_workspace_by_the_excess_at_the_models_depth():
+    from lazyzero.plan.calibrate import _cut, _in_memory_prediction
+    from lazyzero.plan.profile.data import EngineCalibration, EngineRun
+
+    profile = made_up_profile()
+    decoder = replace(profile.layers[0], grad_error=GRAD_ERRORS["model.layers.0"])
+    rows = tuple(replace(decoder, name=f"model.layers.{i}", measured_as=f"model.layers.{i}") for i in range(5))
+    profile = replace(profile, layers=rows + (profile.layer(EMBED_AND_HEAD),))
+    budgets = Budgets(cpu_mem=4 * 10**9, gpu_mem=None, nvme_path=None, local_ranks=2)
+    shape, process = RankShape(2, "bfloat16", True, True), 300 * MB
+    plain, _ = problem_from_profile(profile, budgets, shape, process_bytes=process)
+
+    def run(layers, excess):
+        """An engine that held `excess` bytes more than the formulas predict for it."""
+        _, peak = _in_memory_prediction(_cut(plain, layers))
+        before = 400 * MB
+        return EngineRun(layers, 1.0, round(before + peak - process + excess), before, 0)
+
+    calibrated = replace(profile, engine=EngineCalibration((run(1, 10 * MB), run(3, 30 * MB)), {}))
+    problem, _ = problem_from_profile(calibrated, budgets, shape, process_bytes=process)
+    # 10 MB more per decoder layer: 50 MB at the model's 5 layers.
+    assert problem.workspace_bytes - plain.workspace_bytes == pytest.approx(50 * MB, abs=2)

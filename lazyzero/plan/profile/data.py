@@ -15,7 +15,9 @@ import typing
 from dataclasses import asdict, dataclass
 
 PROFILE_KIND = "lazyzero.profile"
-PROFILE_VERSION = 4
+# 5: each engine calibration depth measured in a fresh process (version 4 ran both in one, whose
+# second engine reused the first one's freed memory and looked smaller than it is).
+PROFILE_VERSION = 5
 DECODER = "decoder"
 EMBED_AND_HEAD_KIND = "embed_and_head"
 

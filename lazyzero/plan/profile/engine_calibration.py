@@ -10,9 +10,11 @@ way that includes them: real engines of the same model cut to 1 and to 3 decoder
 the run's ZeRO settings (everything in memory), a few steps each. `calibrate.engine_calibrated`
 turns the difference between the two into a per-layer overhead and the rest into a per-step one.
 
-The engines run in a child process per rank, with a process group of their own: a DeepSpeed engine
-does not give its memory back when destroyed (330 MB per pair of 1- and 2-layer engines here, three
-pairs in a row measured), and the planned run must not start with that garbage in its budget.
+Each engine runs in a fresh child process per rank, with a process group of its own: a DeepSpeed
+engine does not give its memory back when destroyed (330 MB per pair of 1- and 2-layer engines here,
+three pairs in a row measured), so the planned run must not start with that garbage in its budget,
+and a second engine in the same process would reuse it and look smaller than it is (the demo preset's
+3-layer engine: 316 MB alone, 249 MB after the 1-layer one).
 
     python -m lazyzero.plan.profile.engine_calibration REQUEST.json   (what each rank's child runs)
 """
@@ -43,25 +45,32 @@ CHILD_TIMEOUT_S = 1800
 
 def calibrate_engine(model: nn.Module, config: dict, batch: dict, steps: int) -> EngineCalibration:
     """Step time and peak resident set of real engines of `model` cut to CALIBRATION_LAYERS decoder
-    layers, under DeepSpeed `config` (every rank calls this together; `batch` is one micro-batch)."""
+    layers, under DeepSpeed `config`, each in fresh processes (every rank calls this together; `batch`
+    is one micro-batch)."""
     rank, world = _world()
     with tempfile.TemporaryDirectory(prefix="lazyzero-calibration-") as folder:
         model.config.save_pretrained(folder)
         request = {"config_dir": folder, "ds_config": config, "dtype": str(_dtype(model)).removeprefix("torch."),
                    "attn_implementation": getattr(model.config, "_attn_implementation", None),
                    "batch": {key: value.tolist() for key, value in batch.items()}, "steps": steps,
-                   "rank": rank, "world_size": world, "port": _shared_port(), "threads": torch.get_num_threads()}
-        request_path, result_path = Path(folder) / f"request{rank}.json", Path(folder) / f"result{rank}.json"
-        request["result_path"] = str(result_path)
-        request_path.write_text(json.dumps(request))
-        child = subprocess.run([sys.executable, "-m", "lazyzero.plan.profile.engine_calibration", str(request_path)],
-                               env=_child_env(request), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                               timeout=CHILD_TIMEOUT_S)
-        if child.returncode != 0 or not result_path.is_file():
-            raise RuntimeError(f"lazyzero profile: the engine calibration failed on rank {rank} "
-                               f"(exit {child.returncode}):\n{child.stdout[-3000:]}")
-        runs = tuple(EngineRun(**run) for run in json.loads(result_path.read_text()))
+                   "rank": rank, "world_size": world, "threads": torch.get_num_threads()}
+        runs = tuple(_run_in_child(request, layers, Path(folder)) for layers in CALIBRATION_LAYERS)
     return EngineCalibration(runs=runs, config=config)
+
+
+def _run_in_child(request: dict, layers: int, folder: Path) -> EngineRun:
+    """The engine of `layers` decoder layers, run by this rank's fresh child process."""
+    rank = request["rank"]
+    request_path, result_path = folder / f"request{rank}-{layers}.json", folder / f"result{rank}-{layers}.json"
+    request = {**request, "layers": layers, "port": _shared_port(), "result_path": str(result_path)}
+    request_path.write_text(json.dumps(request))
+    child = subprocess.run([sys.executable, "-m", "lazyzero.plan.profile.engine_calibration", str(request_path)],
+                           env=_child_env(request), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                           timeout=CHILD_TIMEOUT_S)
+    if child.returncode != 0 or not result_path.is_file():
+        raise RuntimeError(f"lazyzero profile: the engine calibration ({layers} decoder layers) failed on rank "
+                           f"{rank} (exit {child.returncode}):\n{child.stdout[-3000:]}")
+    return EngineRun(**json.loads(result_path.read_text()))
 
 
 def _world() -> tuple[int, int]:
@@ -131,7 +140,8 @@ def _run(model: nn.Module, config: dict, batch: dict, steps: int, layers: int) -
 
 
 def _child(request_path: str) -> None:
-    """One rank's child: the calibration engines, one after the other, in this fresh process."""
+    """One rank's child: the calibration engine of `request["layers"]` decoder layers, alone in this
+    fresh process."""
     import deepspeed
     from deepspeed import comm
 
@@ -149,11 +159,10 @@ def _child(request_path: str) -> None:
         device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
         torch.cuda.set_device(device)
     batch = {key: torch.tensor(value, device=device) for key, value in request["batch"].items()}
-    runs = []
-    for layers in CALIBRATION_LAYERS:
-        model = _truncated(request["config_dir"], layers, dtype, request["attn_implementation"])
-        runs.append(_run(model, request["ds_config"], batch, request["steps"], layers))
-    Path(request["result_path"]).write_text(json.dumps(runs))
+    layers = request["layers"]
+    model = _truncated(request["config_dir"], layers, dtype, request["attn_implementation"])
+    run = _run(model, request["ds_config"], batch, request["steps"], layers)
+    Path(request["result_path"]).write_text(json.dumps(run))
     torch.distributed.destroy_process_group()
 
 

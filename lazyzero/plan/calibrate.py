@@ -5,8 +5,9 @@ a few decoder layers, everything in memory, profile_engine.py) against what the 
 for the same engines. The difference between the two engines' errors, per layer between them, is
 DeepSpeed's own cost per layer (module hooks, gathers, buckets, partition copies), split 1:2 into
 each decoder layer's forward and backward; what remains of the smaller engine's error is its cost
-per step, added to the head's backward. The engines' memory above the prediction, extrapolated the
-same way to the model's own depth (`engine_memory_excess`), moves the workspace.
+per step, added to the head's backward. The engines' memory above the prediction is split the same
+way (`engine_memory_excess`): a fixed part moves the workspace, a part per decoder layer is held by
+each layer whose parameters stay in compute memory.
 
 `calibrated_problem`, during a run (re-planning): every compute time (layer forward, backward,
 optimizer) is scaled by measured / predicted step time, and the compute memory's workspace moves by
@@ -42,27 +43,31 @@ def engine_calibrated(problem: PlanProblem, profile, process_bytes: int) -> Plan
     (small_s, _), (large_s, _) = errors
     per_layer_s = (large_s - small_s) / (runs[1].layers - runs[0].layers)
     per_step_s = small_s - runs[0].layers * per_layer_s
-    layers = tuple(_with_overhead(c, per_layer_s, per_step_s) for c in problem.layers)
-    decoder_layers = sum(1 for c in problem.layers if c.name != EMBED_AND_HEAD)
-    excess = engine_memory_excess(((run.layers, error) for run, (_, error) in zip(runs, errors)), decoder_layers)
-    return replace(problem, layers=layers, workspace_bytes=max(0, round(problem.workspace_bytes + excess)))
+    fixed, per_layer = engine_memory_excess((run.layers, error) for run, (_, error) in zip(runs, errors))
+    layers = tuple(_with_overhead(c, per_layer_s, per_step_s, round(per_layer)) for c in problem.layers)
+    return replace(problem, layers=layers, workspace_bytes=max(0, round(problem.workspace_bytes + fixed)))
 
 
-def engine_memory_excess(errors, decoder_layers: int) -> float:
-    """Bytes the planned engine of `decoder_layers` decoder layers holds beyond the formulas, from
-    `errors`: (decoder layers, measured - predicted engine bytes) of the calibration engines.
+def engine_memory_excess(errors) -> tuple[float, float]:
+    """(fixed, per decoder layer) bytes an engine holds beyond the formulas, from `errors`:
+    (decoder layers, measured - predicted engine bytes) of the two calibration engines.
 
     What an engine holds beyond the formulas grows with its depth (DeepSpeed's and the allocator's
     memory per layer: the demo preset's engines, each in a fresh process, measured 57, 94 and 134 MB
-    above the prediction at 1, 3 and 6 layers), so the line through the two errors is extrapolated to
-    the model's depth. Never below the larger measured error (a line that falls with depth is noise,
-    not memory an engine gives back), nor below 0: an engine's peak is measured above the resident set
-    its process had before it was built, which includes heap the process had freed and the engine
-    then reuses (the import of transformers, the model's creation), so a measured engine can look
-    smaller than it is, never larger."""
+    above the prediction at 1, 3 and 6 layers), so the line through the two errors is split into its
+    value at 0 layers (the workspace's) and its slope, which each decoder layer holds while its
+    parameters are in compute memory (`LayerCosts.engine_excess_bytes`): the calibration engines
+    hold every layer in memory, and a layer placed on NVMe holds none of it (the `1b` preset's
+    layers on NVMe, docs/plan.md). A line that falls with depth is noise, not memory an engine gives
+    back: the larger measured error is then fixed. Never below 0: an engine's peak is measured above
+    the resident set its process had before it was built, which includes heap the process had freed
+    and the engine then reuses (the import of transformers, the model's creation), so a measured
+    engine can look smaller than it is, never larger."""
     (small_layers, small), (large_layers, large) = sorted(errors)
     per_layer = (large - small) / (large_layers - small_layers)
-    return max(0.0, small, large, large + per_layer * (decoder_layers - large_layers))
+    if per_layer <= 0:
+        return max(0.0, small, large), 0.0
+    return max(0.0, small - per_layer * small_layers), per_layer
 
 
 def _cut(problem: PlanProblem, decoder_layers: int) -> PlanProblem:
@@ -81,11 +86,11 @@ def _in_memory_prediction(problem: PlanProblem) -> tuple[float, float]:
     return plan.predicted_step_s, plan.predicted_peak_bytes["gpu"]
 
 
-def _with_overhead(costs, per_layer_s: float, per_step_s: float):
+def _with_overhead(costs, per_layer_s: float, per_step_s: float, excess_bytes: int):
     if costs.name == EMBED_AND_HEAD:
         return replace(costs, bwd_s=max(0.0, costs.bwd_s + per_step_s))
     return replace(costs, fwd_s=max(0.0, costs.fwd_s + per_layer_s / 3),
-                   bwd_s=max(0.0, costs.bwd_s + 2 * per_layer_s / 3))
+                   bwd_s=max(0.0, costs.bwd_s + 2 * per_layer_s / 3), engine_excess_bytes=excess_bytes)
 
 
 def predicted_compute_peak(problem: PlanProblem, plan: Plan, snapshot_taken: bool = True) -> float:

@@ -67,6 +67,9 @@ class LayerCosts:
     (the work of moving them: on a machine without a GPU it competes with compute).
     stage_bytes_fp32 / _8bit: host bytes the NVMe optimizer swapper stages to step this layer's state
     (None: the state's own bytes).
+    engine_excess_bytes: what DeepSpeed and the allocator hold for this layer beyond the formulas
+    while its parameters are in compute memory (measured per layer on all-in-memory engines,
+    calibrate.engine_calibrated); a layer whose parameters live on another tier does not hold it.
     snapshot_bytes_fp32 / _8bit: bytes a lazy checkpoint writes for this layer's state (its fp32
     partition and moments; 0 without lazy checkpoints), see `SnapshotMemory`.
     act_widths: the widths this layer may store its activations at; a width whose measured gradient
@@ -95,6 +98,7 @@ class LayerCosts:
     stage_bytes_8bit: int | None = None
     snapshot_bytes_fp32: int = 0
     snapshot_bytes_8bit: int = 0
+    engine_excess_bytes: int = 0
     act_widths: tuple[int, ...] = BIT_WIDTHS
     grad_error: dict[int, float] | None = None
 
@@ -104,7 +108,7 @@ class LayerCosts:
         _require(16 in self.act_widths and set(self.act_widths) <= set(BIT_WIDTHS), "act_widths",
                  f"must hold 16 (exact storage is always allowed) and only widths of {BIT_WIDTHS}, "
                  f"got {self.act_widths!r}")
-        _require_nonnegative(self, ("fwd_s", "bwd_s", "input_bytes", "param_bytes", "grad_bytes",
+        _require_nonnegative(self, ("fwd_s", "bwd_s", "input_bytes", "param_bytes", "grad_bytes", "engine_excess_bytes",
                                     "optim_state_bytes_fp32", "optim_state_bytes_8bit"))
         _require(self.recompute_s is None or self.recompute_s >= 0, "recompute_s",
                  f"must be None or a number >= 0, got {self.recompute_s!r}")

@@ -339,16 +339,19 @@ def test_a_planned_run_applies_the_configured_bound():
     assert all(c.act_widths == (16, 8, 4) for c in problem.layers)
 
 
-def test_engine_memory_excess_is_extrapolated_to_the_models_depth():
+def test_engine_memory_excess_splits_into_a_fixed_part_and_one_per_layer():
     from lazyzero.plan.calibrate import engine_memory_excess
 
     # The demo preset's engines, each alone in a process: 57 and 94 MB above the formulas at 1 and 3
-    # decoder layers (134 MB measured at 6).
-    assert engine_memory_excess([(3, 94 * MB), (1, 57 * MB)], 6) == pytest.approx(149.5 * MB)
-    assert engine_memory_excess([(1, 57 * MB), (3, 94 * MB)], 3) == pytest.approx(94 * MB)
-    # A line falling with depth is not memory given back: the larger measured excess stays.
-    assert engine_memory_excess([(1, 57 * MB), (3, 40 * MB)], 6) == 57 * MB
-    assert engine_memory_excess([(1, -20 * MB), (3, -30 * MB)], 6) == 0.0
+    # decoder layers (134 MB measured at 6; the line gives 149.5).
+    fixed, per_layer = engine_memory_excess([(3, 94 * MB), (1, 57 * MB)])
+    assert (fixed, per_layer) == (pytest.approx(38.5 * MB), pytest.approx(18.5 * MB))
+    assert fixed + 6 * per_layer == pytest.approx(149.5 * MB)
+    # A line falling with depth is not memory given back: the larger measured excess stays, fixed.
+    assert engine_memory_excess([(1, 57 * MB), (3, 40 * MB)]) == (57 * MB, 0.0)
+    assert engine_memory_excess([(1, -20 * MB), (3, -30 * MB)]) == (0.0, 0.0)
+    # A steep line does not make the fixed part negative.
+    assert engine_memory_excess([(1, 10 * MB), (3, 90 * MB)]) == (0.0, pytest.approx(40 * MB))
 
 
 def test_the_engine_calibration_moves_the_workspace_by_the_excess_at_the_models_depth():
@@ -371,5 +374,24 @@ def test_the_engine_calibration_moves_the_workspace_by_the_excess_at_the_models_
 
     calibrated = replace(profile, engine=EngineCalibration((run(1, 10 * MB), run(3, 30 * MB)), {}))
     problem, _ = problem_from_profile(calibrated, budgets, shape, process_bytes=process)
-    # 10 MB more per decoder layer: 50 MB at the model's 5 layers.
-    assert problem.workspace_bytes - plain.workspace_bytes == pytest.approx(50 * MB, abs=2)
+    # 10 MB more per decoder layer, held by each decoder layer in memory; nothing fixed.
+    assert problem.workspace_bytes - plain.workspace_bytes == pytest.approx(0, abs=2)
+    decoders = [c for c in problem.layers if c.name != EMBED_AND_HEAD]
+    assert all(c.engine_excess_bytes == pytest.approx(10 * MB, abs=2) for c in decoders)
+    from lazyzero.plan.problem import LayerPlan
+
+    in_memory = [LayerPlan("keep", 16, "gpu", "gpu", "gpu", False)] * problem.num_layers
+    on_nvme = [LayerPlan("keep", 16, "gpu", "nvme", "nvme", False)] * len(decoders) + in_memory[-1:]
+    assert _peak(problem, in_memory) - _peak(plain, in_memory) == pytest.approx(50 * MB, abs=10)
+    assert _peak(problem, on_nvme) == pytest.approx(_peak(plain, on_nvme), abs=10)
+
+
+def _peak(problem, layers) -> float:
+    """The simulated compute-memory peak of `layers`, on the problem's machine with an NVMe tier added."""
+    from lazyzero.plan.problem import Path, Tier
+    from lazyzero.plan.simulate import evaluate_layers
+
+    machine = problem.machine
+    nvme = replace(machine, tiers={**machine.tiers, "nvme": Tier("nvme", 10**12)},
+                   paths={**machine.paths, "nvme_read": Path("nvme_read", 1e9), "nvme_write": Path("nvme_write", 1e9)})
+    return evaluate_layers(replace(problem, machine=nvme), layers, "greedy").predicted_peak_bytes["gpu"]

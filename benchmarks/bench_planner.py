@@ -43,7 +43,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
+import tempfile
 import time
 from pathlib import Path
 
@@ -204,6 +206,17 @@ def larger_than_memory(work: Path, nvme: str) -> tuple[dict, dict]:
 
 def main() -> None:
     args = parse_args()
+    # DeepSpeed never removes its swap files (zero_stage_3/ under the NVMe folder: 32 GB after the
+    # 1b run), so every run swaps into a folder of its own, removed at the end.
+    scratch = tempfile.mkdtemp(prefix="bench_planner_", dir=args.nvme)
+    try:
+        args.nvme = scratch
+        run(args)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def run(args: argparse.Namespace) -> None:
     steps = 14 if args.quick else 24
     args.work.mkdir(parents=True, exist_ok=True)
     if args.larger_than_memory_only:

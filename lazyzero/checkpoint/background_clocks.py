@@ -34,9 +34,16 @@ _TICKS_PER_S = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
 def _thread_cpu_seconds(native_id: int, last_read: float) -> float:
-    """User plus system time of one thread of this process, from /proc (10 ms resolution). Read by
-    kernel id rather than through pthread_getcpuclockid: that one is undefined for a thread that has
-    ended, and writer threads end when their pool shuts down."""
+    """CPU time of one thread of this process, from /proc: the scheduler's nanosecond count where the
+    kernel keeps one (`schedstat`), else user plus system time in clock ticks (10 ms: a thread that
+    hashed and wrote a few MB reads 0 there). Read by kernel id rather than through
+    pthread_getcpuclockid: that one is undefined for a thread that has ended, and writer threads end
+    when their pool shuts down."""
+    try:
+        with open(f"/proc/self/task/{native_id}/schedstat", "rb") as schedstat:
+            return int(schedstat.read().split()[0]) / 1e9
+    except (OSError, ValueError, IndexError):
+        pass
     try:
         with open(f"/proc/self/task/{native_id}/stat", "rb") as stat:
             fields = stat.read().rsplit(b")", 1)[1].split()

@@ -7,6 +7,7 @@ the run's training state; NVMe holds the rest. About 10 minutes and 12 GB of NVM
 import json
 import math
 import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -26,14 +27,19 @@ def test_the_1b_preset_trains_through_the_planner_under_a_fraction_of_its_state(
 
     if async_io_unavailable() is not None or shutil.disk_usage(NVME_FOLDER).free < NVME_ROOM:
         pytest.skip(f"needs DeepSpeed's async_io and {NVME_ROOM / 1e9:.0f} GB free under {NVME_FOLDER}")
+    # DeepSpeed leaves its swap files behind: a folder of the test's own, removed after it.
+    nvme = tempfile.mkdtemp(prefix="lazyzero_test_", dir=NVME_FOLDER)
     config = json.loads((ROOT / "ds_configs" / "cpu_1b_planned.json").read_text())
-    config["lazyzero"]["plan"].update(nvme_path=str(NVME_FOLDER), output_dir=str(tmp_path / "plan"),
+    config["lazyzero"]["plan"].update(nvme_path=nvme, output_dir=str(tmp_path / "plan"),
                                       profile_path=str(tmp_path / "profile.json"))
     (tmp_path / "ds_config.json").write_text(json.dumps(config))
     out = tmp_path / "run"
     argv = ["--module", "lazyzero.train", "--deepspeed_config", str(tmp_path / "ds_config.json"), "--model", "1b",
             "--seq-len", str(SEQ_LEN), "--max-steps", str(STEPS), "--eval-problems", "0", "--output-dir", str(out)]
-    proc = run_distributed("deepspeed", 2, argv, cwd=ROOT, timeout=2400)
+    try:
+        proc = run_distributed("deepspeed", 2, argv, cwd=ROOT, timeout=2400)
+    finally:
+        shutil.rmtree(nvme, ignore_errors=True)
     assert proc.returncode == 0, proc.stdout[-6000:]
     report = json.loads((out / "report.json").read_text())
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]

@@ -265,10 +265,11 @@ def _share_cpu_cores() -> None:
     neither the deepspeed launcher nor mpirun does, and two ranks with all cores each thrash."""
     import os
 
+    from lazyzero.gradients.node_layout import LAUNCHER_LOCAL_SIZE
+
     if torch.cuda.is_available() or "OMP_NUM_THREADS" in os.environ:
         return
-    local_ranks = next((int(os.environ[k]) for k in ("LOCAL_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "LOCAL_WORLD_SIZE")
-                        if k in os.environ), 1)
+    local_ranks = next((int(os.environ[k]) for k in LAUNCHER_LOCAL_SIZE if k in os.environ), 1)
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_ranks))
 
 

@@ -149,23 +149,23 @@ def real_text_batch(tokenizer, batch: int, seq: int) -> torch.Tensor:
     return torch.tensor(ids[: batch * seq]).view(batch, seq)
 
 
-def text_fidelity(spec: str, batch: int, seq: int, device: torch.device, model=None) -> tuple[dict, dict]:
-    """Gradient fidelity of the default and of the `default_bits: 4` policy on model `spec` (a
-    preset, randomly initialized, or a real model; `model`: already built), in fp32, on `batch` x
-    `seq` tokens of Python source (`real_text_batch`), against the same step without hooks."""
-    tokenizer = load_tokenizer(None, model=spec)
-    model = model if model is not None else build_model(spec, vocab_size=tokenizer.vocab_size).to(device)
-    trainee = Trainee(model, real_text_batch(tokenizer, batch, seq).to(device))
+def text_fidelity(model, input_ids: torch.Tensor) -> tuple[dict, dict]:
+    """Gradient fidelity (`gradient_fidelity`) of the default and of the `default_bits: 4` policy on
+    `model` and `input_ids`, against the same forward and backward without hooks."""
+    trainee = Trainee(model, input_ids)
     exact = trainee.gradients(None)
     return (gradient_fidelity(exact, trainee.gradients(POLICIES["default"])),
             gradient_fidelity(exact, trainee.gradients(POLICIES["mlp_4bit"])))
 
 
 def measure_demo_fidelity(preset: str, batch: int, seq: int, device: torch.device) -> tuple[dict, dict]:
-    """`grad_rel_l2`, `min_cosine` and their `mlp_4bit_` twins on the preset itself: whether the
-    4-bit MLPs that meet the preset's bytes target also meet the quality bound (docs/activations.md)."""
+    """`grad_rel_l2`, `min_cosine` and their `mlp_4bit_` twins on the preset itself, as the real model's
+    are measured (fp32, Python source): whether the 4-bit MLPs that meet the preset's bytes target also
+    meet the quality bound (docs/activations.md)."""
+    tokenizer = load_tokenizer(None, model=preset)
     torch.manual_seed(0)  # the preset's random initialization
-    default, four_bit = text_fidelity(preset, batch, seq, device)
+    model = build_model(preset, vocab_size=tokenizer.vocab_size).to(device)
+    default, four_bit = text_fidelity(model, real_text_batch(tokenizer, batch, seq).to(device))
     results = {"grad_rel_l2": default["grad_rel_l2"], "min_cosine": default["min_cosine"],
                "mlp_4bit_grad_rel_l2": four_bit["grad_rel_l2"], "mlp_4bit_min_cosine": four_bit["min_cosine"]}
     details = {"fidelity_batch": batch, "fidelity_seq": seq, "min_cosine_parameter": default["min_cosine_parameter"],
@@ -178,8 +178,9 @@ def measure_real_model(spec: str, batch: int, seq: int, repeats: int, device: to
     tokenizer = load_tokenizer(None, model=spec)
     floor = heap_live_bytes() if device.type == "cpu" else 0
     model = build_model(spec, vocab_size=tokenizer.vocab_size).to(device)
-    fidelity, fidelity_4bit = text_fidelity(spec, batch, seq, device, model)
-    trainee = Trainee(model.to(torch.bfloat16), real_text_batch(tokenizer, batch, seq).to(device))
+    input_ids = real_text_batch(tokenizer, batch, seq).to(device)
+    fidelity, fidelity_4bit = text_fidelity(model, input_ids)
+    trainee = Trainee(model.to(torch.bfloat16), input_ids)
     results = {"real_grad_rel_l2": fidelity["grad_rel_l2"], "real_min_cosine": fidelity["min_cosine"]}
     details = {"real_model": spec, "real_batch": batch, "real_seq": seq,
                "real_min_cosine_parameter": fidelity["min_cosine_parameter"],

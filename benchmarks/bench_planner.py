@@ -185,10 +185,17 @@ def partitioned_profile(work: Path) -> tuple[dict, dict]:
 def larger_than_memory(work: Path, nvme: str) -> tuple[dict, dict]:
     """(results, details) of the `1b` preset trained through the planner under a budget a fraction of its
     training state (ds_configs/cpu_1b_planned.json, its NVMe folder replaced by `nvme`)."""
+    from lazyzero.plan.profile.profiler import read_profile
+
     config = json.loads((ROOT / "ds_configs" / "cpu_1b_planned.json").read_text())
-    config["lazyzero"]["plan"].update(nvme_path=nvme, output_dir=str(work / "larger_than_memory" / "plan"))
+    # A profile file of its own (measured afresh: the NVMe folder is new each run), so that the NVMe
+    # speeds its step-time prediction rests on are reported beside it (docs/plan.md).
+    profile_path = work / "larger_than_memory" / "profile.json"
+    config["lazyzero"]["plan"].update(nvme_path=nvme, output_dir=str(work / "larger_than_memory" / "plan"),
+                                      profile_path=str(profile_path))
     records = train("larger_than_memory", config, work, LARGER_STEPS, model="1b", seq_len=LARGER_SEQ_LEN)
     report = json.loads((work / "larger_than_memory" / "report.json").read_text())
+    speeds = read_profile(profile_path).machine.bandwidths
     budget, first = report["compute_budget_per_rank_bytes"], report["plan_checks"][0]
     state = report["parameters"] * MIXED_PRECISION_ADAM_BYTES
     results = {"larger_than_memory_state_over_budget": state / budget,
@@ -200,7 +207,9 @@ def larger_than_memory(work: Path, nvme: str) -> tuple[dict, dict]:
         "state_per_rank_over_budget": state / report["world_size"] / budget,
         "peak_rss_bytes": max(r["peak_mem_bytes"] for r in records), "plan_checks": report["plan_checks"],
         "plan_layers": report["plan"]["layers"], "step_s": [r["step_time_s"] for r in records],
-        "setup_time_s": report.get("setup_time_s"), "wall_time_s": report.get("wall_time_s")}}
+        "setup_time_s": report.get("setup_time_s"), "wall_time_s": report.get("wall_time_s"),
+        "profile_nvme_read_bytes_per_s": speeds["nvme_read"].bytes_per_s,
+        "profile_nvme_write_bytes_per_s": speeds["nvme_write"].bytes_per_s}}
     return results, details
 
 

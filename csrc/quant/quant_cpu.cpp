@@ -100,18 +100,23 @@ void pack_int4(const int8_t* codes, int64_t len, uint8_t* packed) {
   if (len % 2 != 0) packed[pairs] = pack_nibbles(codes[len - 1], 0);
 }
 
-// The block's largest-magnitude element (first on ties, NaN above Inf above finite: abs_bits order)
-// is copied to `outlier` and replaced by 0 in `block`, which the caller then quantizes.
-void take_block_outlier(float* block, int64_t len, float* outlier_value, uint8_t* outlier_index) {
-  int64_t index = 0;
-  uint32_t max_bits = abs_bits(block[0]);
-  for (int64_t i = 1; i < len; ++i) {
-    const uint32_t bits = abs_bits(block[i]);
-    if (bits > max_bits) {
-      max_bits = bits;
-      index = i;
-    }
+// The first position in `x` whose abs_bits equal `max_bits`, as a min-reduction gcc vectorizes.
+int32_t first_position_of(const float* x, int32_t len, uint32_t max_bits) {
+  int32_t first = len;
+  for (int32_t i = 0; i < len; ++i) {
+    const int32_t candidate = abs_bits(x[i]) == max_bits ? i : len;
+    first = candidate < first ? candidate : first;
   }
+  return first;
+}
+
+// The block's largest-magnitude element (first on ties, NaN above Inf above finite: abs_bits order)
+// is copied to `outlier` and replaced by 0 in `block`, which the caller then quantizes. Found by two
+// reductions gcc vectorizes (the maximum, then its first position): a single loop tracking the
+// running argmax does not vectorize, and took 3.5x a plain quantization.
+void take_block_outlier(float* block, int64_t len, float* outlier_value, uint8_t* outlier_index) {
+  const uint32_t max_bits = block_absmax_bits(block, len);
+  const int32_t index = first_position_of(block, static_cast<int32_t>(len), max_bits);
   *outlier_value = block[index];
   *outlier_index = static_cast<uint8_t>(index);
   block[index] = 0.0f;
@@ -266,9 +271,13 @@ void restore_block_outliers_cpu(const at::Tensor& out, const at::Tensor& values,
   const uint8_t* index_ptr = index_data.const_data_ptr<uint8_t>();
   LZ_DISPATCH_FLOAT_TYPES(out.scalar_type(), "lazyzero::restore_block_outliers_", [&] {
     scalar_t* out_ptr = out.mutable_data_ptr<scalar_t>();
-    for (int64_t b = 0; b < values.numel(); ++b) {
-      out_ptr[b * block_size + index_ptr[b]] = static_cast<scalar_t>(value_ptr[b]);
-    }
+    // One store per block, each to a cache line the dequantization wrote and evicted: bound by
+    // memory latency, so spread over threads like the dequantization itself.
+    parallel_for_tasks(values.numel(), blocks_per_task(block_size), [&](int64_t begin, int64_t end) {
+      for (int64_t b = begin; b < end; ++b) {
+        out_ptr[b * block_size + index_ptr[b]] = static_cast<scalar_t>(value_ptr[b]);
+      }
+    });
   });
 }
 

@@ -45,6 +45,7 @@ from torch import nn
 
 from lazyzero.activations import loss_head, rewrites
 from lazyzero.activations.accounting import ActivationAccounting
+from lazyzero.activations.attention_values import AttentionRoles
 from lazyzero.activations.offload import ActivationOffloader, OffloadedStorage
 from lazyzero.activations.offload_io import AioSettings
 from lazyzero.activations.policy import KEEP_BITS, ActivationPolicy, ModuleBits
@@ -82,8 +83,9 @@ class ActivationPacker:
             self.offloader = ActivationOffloader(model, policy.config, self.accounting, lambda: self.active,
                                                  rank=rank, aio=aio)
         self.managed = policy.plan(model)
-        # (entry, module, the root of its input when the entry stores that input at its own width)
-        self._scopes: list[tuple[ModuleBits, nn.Module, torch.Tensor | None]] = []
+        # (entry, module, the root of its input when the entry stores that input at its own width,
+        # the attention's roles when it stores its values at their own width)
+        self._scopes: list[tuple[ModuleBits, nn.Module, torch.Tensor | None, AttentionRoles | None]] = []
         self._stored: dict[int, _StoredStorage] = {}
         self._seed = 0
         self._active: list[torch.autograd.graph.saved_tensors_hooks] = []
@@ -93,6 +95,8 @@ class ActivationPacker:
             self._manage(modules[entry.name], entry)
         self._rewritten = self._install_rewrites(modules) if policy.config.recompute_elementwise else []
         self._model = model
+        if getattr(getattr(model, "config", None), "use_cache", None) is not None:
+            self._handles.append(model.register_forward_pre_hook(self._without_kv_cache, with_kwargs=True))
         self.fused_loss = policy.config.fused_loss and loss_head.install_fused_loss(model)
         if self.fused_loss:
             self._manage_loss_head(model, modules)
@@ -115,6 +119,15 @@ class ActivationPacker:
         entry = self.policy.loss_head_entry(name)
         self.managed.append(entry)
         self._manage(head, entry)
+
+    def _without_kv_cache(self, model: nn.Module, args, kwargs):
+        """A transformers model called for training builds a KV cache unless told not to (its config's
+        `use_cache`), which holds every layer's k and v as computed until the forward pass returns: a
+        second copy of what is stored packed for backward, and the peak of a step that stores its values
+        at 8 bits. Inside `with packer:` a call that says nothing of the cache builds none."""
+        if self.active and "use_cache" not in kwargs and "past_key_values" not in kwargs:
+            return args, {**kwargs, "use_cache": False}
+        return None
 
     def _install_rewrites(self, modules: dict[str, nn.Module]) -> list[nn.Module]:
         """Norms and gated MLPs below 16 bits store fewer tensors (lazyzero/activations/rewrites.py)."""
@@ -210,21 +223,28 @@ class ActivationPacker:
 
     def _enter_module(self, entry: ModuleBits, module: nn.Module, args, kwargs) -> None:
         module_input = _first_tensor(args, kwargs) if entry.input_bits is not None else None
-        self._scopes.append((entry, module, None if module_input is None else _root(module_input)))
+        roles = AttentionRoles() if entry.value_bits is not None and self.active else None
+        if roles is not None:
+            roles.__enter__()
+        self._scopes.append((entry, module, None if module_input is None else _root(module_input), roles))
 
     def _exit_module(self, entry: ModuleBits, module: nn.Module, args, output) -> None:
-        top, _, _ = self._scopes.pop()
+        top, _, _, roles = self._scopes.pop()
+        if roles is not None:
+            roles.__exit__(None, None, None)
         if top is not entry:
             raise RuntimeError(f"activation packer: module {entry.name!r} ended while {top.name!r} was running")
 
     def _pack(self, tensor: torch.Tensor):
-        entry, module, module_input = self._scopes[-1] if self._scopes else (None, None, None)
+        entry, module, module_input, roles = self._scopes[-1] if self._scopes else (None, None, None, None)
         if _aliases_parameter(tensor, module):
             return tensor
         root = _root(tensor)
         bits = entry.bits if entry else KEEP_BITS
         if root is module_input:
             bits = entry.input_bits
+        elif roles is not None and roles.is_value(tensor):
+            bits = entry.value_bits
         if entry is not None and entry.kind == "head" and not _is_weight_gradient(tensor, module):
             bits = KEEP_BITS  # the hidden states' gradient: small, and every layer's backward starts from it
         if not self._packable(tensor):

@@ -144,7 +144,12 @@ class ActivationsConfig(ConfigSection):
     """Bits for the attention module's input (the output of the norm before it, read only by the q/k/v projections'
     weight gradients); unset: the layer's norm width, and rebuilt from the norm's stored input at no cost where
     `recompute_elementwise` applies; 16 keeps it exact. Attention's own tensors (q, k, v, output) keep
-    `attention_bits`."""
+    `attention_bits` or `attention_value_bits`."""
+
+    attention_value_bits: Literal[8, 16] = 8
+    """Fewest bits for the attention's value, its output and the output projection's input, which only sums over the
+    head dimension read (q, k and the logsumexp, which rebuild the softmax, keep `attention_bits`); a wider layer
+    width applies, so a layer kept at 16 bits keeps them exact. 16: the whole attention at `attention_bits`."""
 
     norm_bits: Literal[4, 8, 16] = 8
     """Fewest bits for tensors saved by norms (their input is the residual stream, whose outlier channels 4-bit

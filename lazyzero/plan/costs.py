@@ -101,19 +101,22 @@ def activation_bytes_per_token(preset: ModelPreset, bits: int) -> float:
     16 bits: each of the 2 RMSNorms keeps an fp32 copy of its input and the normalized bf16 input
     (6h); attention keeps its input, q, k, v and output (2h each, k and v narrower under GQA); the
     MLP keeps its input and gate, act(gate), up and their product (2h + 4 * 2i).
-    8 or 4 bits (lazyzero's default policy, recompute_elementwise on): attention keeps q, k, v and
-    output at 16 bits, its input is rebuilt from the norm's; each norm keeps only its input, at
-    max(bits, 8) bits (norm_bits); the MLP keeps only gate and up at `bits` (its input, act(gate) and
-    the product are rebuilt in backward). Quantized values carry one fp32 scale per block.
+    8 or 4 bits (lazyzero's default policy, recompute_elementwise on): attention keeps q and k at 16
+    bits and v and its output at max(bits, 8) (attention_value_bits), its input is rebuilt from the
+    norm's; each norm keeps only its input, at max(bits, 8) bits (norm_bits); the MLP keeps only gate
+    and up at `bits` (its input, act(gate) and the product are rebuilt in backward). Quantized values
+    carry one fp32 scale per block.
     """
     h, i = preset.hidden, preset.intermediate
     kv_share = preset.kv_heads / preset.heads
-    attention = BF16_BYTES * (2 * h + 2 * h * kv_share)  # q, output; k, v
     if bits == 16:
+        attention = BF16_BYTES * (2 * h + 2 * h * kv_share)  # q, output; k, v
         norms = 2 * (FP32_BYTES + BF16_BYTES) * h
         mlp = BF16_BYTES * h + 4 * BF16_BYTES * i
         return norms + attention + BF16_BYTES * h + mlp  # and the attention's input
-    norms = 2 * h * (max(bits, 8) / 8 + ACTIVATION_SCALE_BYTES_PER_VALUE)
+    at_least_8 = max(bits, 8) / 8 + ACTIVATION_SCALE_BYTES_PER_VALUE
+    attention = BF16_BYTES * (h + h * kv_share) + (h + h * kv_share) * at_least_8  # q, k; output, v
+    norms = 2 * h * at_least_8
     mlp = 2 * i * (bits / 8 + ACTIVATION_SCALE_BYTES_PER_VALUE)
     return norms + attention + mlp
 

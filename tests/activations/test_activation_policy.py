@@ -124,6 +124,25 @@ def test_attention_stores_its_input_like_the_norm_before_it():
     assert input_widths(ActivationsConfig(attention_bits=8, norm_bits=4, default_bits=4)) == {0: 4, 1: 4}
 
 
+def value_widths(config: ActivationsConfig, layer_bits: dict | None = None) -> dict:
+    policy = ActivationPolicy(config).with_layer_bits(layer_bits or {})
+    plan = policy.plan(build_model("tiny", "llama", meta=True))
+    return {entry.layer: entry.value_bits for entry in plan if entry.kind == "attention"}
+
+
+def test_attention_values_take_their_own_width_where_the_layer_is_quantized():
+    assert value_widths(ActivationsConfig()) == {0: 8, 1: 8}
+    assert value_widths(ActivationsConfig(default_bits=4)) == {0: 8, 1: 8}  # never below attention_value_bits
+    assert value_widths(ActivationsConfig(attention_value_bits=16)) == {0: None, 1: None}
+    assert value_widths(ActivationsConfig(default_bits=16)) == {0: None, 1: None}  # a 16-bit layer keeps them
+    assert value_widths(ActivationsConfig(), {0: 16}) == {0: None, 1: 8}  # a 16-bit planned layer
+    assert value_widths(ActivationsConfig(recompute_layers=[1])) == {0: 8, 1: None}
+    assert value_widths(ActivationsConfig(attention_bits=8)) == {0: None, 1: None}  # already at 8
+    # An override naming the attention sets all of it; one naming the MLP sets the layer's width.
+    assert value_widths(ActivationsConfig(overrides={"model.layers.1.*": 16})) == {0: 8, 1: None}
+    assert value_widths(ActivationsConfig(default_bits=16, overrides={"model.layers.1.mlp": 8})) == {0: None, 1: 8}
+
+
 def test_overrides_make_any_module_set_a_width():
     config = ActivationsConfig(overrides={"model.layers.0.mlp.down_proj": 8})
     plan = ActivationPolicy(config).plan(build_model("tiny", "llama", meta=True))

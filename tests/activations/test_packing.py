@@ -90,14 +90,16 @@ def expected_bytes(config: ActivationsConfig) -> dict:
     With `recompute_elementwise` (rewrites.py) a quantized norm saves only its input [B,S,H]; a
     quantized MLP does not keep the SiLU output and its product is a recipe (counted, 0 bytes after),
     and so is the input of the MLP or attention (the norm's output) where they store it no wider than
-    the norm. Attention stores its input at the norm's width (or `attention_input_bits`), the rest of
-    its tensors at `attention_bits`.
+    the norm. Attention stores its input at the norm's width (or `attention_input_bits`), v and its
+    output at `attention_value_bits` (or the MLP's width, where wider), the rest of its tensors at
+    `attention_bits`.
     """
     tokens = BATCH * SEQ
     bits = {"norm": max(config.default_bits, config.norm_bits), "mlp": config.default_bits,
             "attention": config.attention_bits}
     attention_input = config.attention_input_bits or bits["norm"]
     input_bits = {"mlp": bits["mlp"], "attention": min(attention_input, bits["attention"])}
+    value_bits = min(bits["attention"], max(bits["mlp"], config.attention_value_bits))
     norm_rewritten = config.recompute_elementwise and bits["norm"] < 16
     mlp_rewritten = config.recompute_elementwise and bits["mlp"] < 16
     numels = {
@@ -114,6 +116,8 @@ def expected_bytes(config: ActivationsConfig) -> dict:
     for kind, sizes in numels.items():
         before = sum(4 * n for n in sizes)  # fp32
         widths = [input_bits[kind] if i == 0 and kind in input_bits else bits[kind] for i in range(len(sizes))]
+        if kind == "attention":
+            widths[5:7] = [value_bits] * 2  # v and the output
         after = sum(0 if i in recipes.get(kind, ()) else 4 * n if width == 16
                     else packed_bytes(n, width, config.keep_outliers)
                     for i, (n, width) in enumerate(zip(sizes, widths)))

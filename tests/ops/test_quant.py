@@ -95,6 +95,18 @@ def test_quantize_with_outliers_matches_reference(op_name, dtype, block_size, st
     assert_outliers_match_reference(op_name, with_special_values(8 * 64, 64, dtype), 64, stochastic)
 
 
+@pytest.mark.parametrize("op_name", OUTLIER_OPS)
+def test_the_first_of_tied_outliers_is_taken(op_name):
+    """Equal magnitudes of either sign tie; the first is the outlier (the kernels search for the
+    maximum and its position in two passes, the reference in one)."""
+    x = torch.linspace(-1, 1, 3 * 64)
+    x[[3, 40]] = torch.tensor([-5.0, 5.0])  # block 0: the negative one first
+    x[[64 + 10, 64 + 63]] = 7.0  # block 1: equal values
+    x[128:] = 2.0  # block 2: every element ties
+    _, _, values, index = assert_outliers_match_reference(op_name, x, 64, False)
+    assert index.tolist() == [3, 10, 0] and values.tolist() == [-5.0, 7.0, 2.0]
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_restore_block_outliers_matches_reference(dtype):
     x = with_outliers(4097, 64, torch.float32)

@@ -29,11 +29,12 @@ def test_tiny_layer_costs_match_a_hand_computation():
     # 16 bits, per token: norms 2 * (4 + 2) * 64 = 768; attention 2 * (64 + 64 + 32 + 32 + 64) = 512;
     # MLP 2 * 64 + 4 * 2 * 176 = 1536. Total 2816.
     assert layer.act_bytes[16] == 512 * 2816
-    # 8 bits: norms 2 * 64 * (1 + 4/64) = 136; attention without its input (rebuilt from the norm's)
-    # 2 * (64 + 32 + 32 + 64) = 384; MLP gate and up 2 * 176 * (1 + 4/64) = 374.
-    assert layer.act_bytes[8] == 512 * (136 + 384 + 374)
-    # 4 bits: norms still at 8 bits (136); MLP 2 * 176 * (0.5 + 4/64) = 198.
-    assert layer.act_bytes[4] == 512 * (136 + 384 + 198)
+    # 8 bits: norms 2 * 64 * (1 + 4/64) = 136; attention without its input (rebuilt from the norm's):
+    # q and k 2 * (64 + 32) = 192, v and the output at 8 bits (32 + 64) * (1 + 4/64) = 102;
+    # MLP gate and up 2 * 176 * (1 + 4/64) = 374.
+    assert layer.act_bytes[8] == 512 * (136 + 192 + 102 + 374)
+    # 4 bits: norms, v and the output still at 8 bits; MLP 2 * 176 * (0.5 + 4/64) = 198.
+    assert layer.act_bytes[4] == 512 * (136 + 192 + 102 + 198)
     assert layer.input_bytes == 512 * 2 * 64
     # Parameters: q, o 4096 each; k, v 2048 each; MLP 3 * 64 * 176 = 33792; norms 128. Total 46208.
     assert layer.param_bytes == layer.grad_bytes == 2 * 46208

@@ -333,8 +333,8 @@ def interleaved_medians(modes: dict[str, Callable[[], tuple[float, ...]]], repea
 
 # The fields of an activation config that set how a layer at some default width stores what it saves.
 # Overrides, recomputed and offloaded layers are per-layer choices the planner makes: left out.
-WIDTH_RULE_FIELDS = ("attention_bits", "attention_input_bits", "norm_bits", "block_size", "keep_outliers",
-                     "stochastic_rounding", "recompute_elementwise")
+WIDTH_RULE_FIELDS = ("attention_bits", "attention_input_bits", "attention_value_bits", "norm_bits", "block_size",
+                     "keep_outliers", "stochastic_rounding", "recompute_elementwise")
 
 
 def profiling_config(config: ActivationsConfig, bits: int) -> ActivationsConfig:

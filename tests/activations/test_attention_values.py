@@ -1,4 +1,4 @@
-"""AttentionRoles: which tensors saved inside an attention module are its values (lazyzero/activations/attention_values.py)."""
+"""AttentionRoles: which saved tensors are an attention's values (lazyzero/activations/attention_values.py)."""
 
 import pytest
 import torch

@@ -18,11 +18,9 @@ from __future__ import annotations
 import torch
 from torch.overrides import TorchFunctionMode
 
+from lazyzero.activations.stored import storage_root
+
 _SDPA = torch.nn.functional.scaled_dot_product_attention
-
-
-def _root(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor if tensor._base is None else tensor._base
 
 
 class AttentionRoles(TorchFunctionMode):
@@ -38,7 +36,7 @@ class AttentionRoles(TorchFunctionMode):
         if func is not _SDPA:
             return func(*args, **kwargs)
         query, key, value = (list(args[:3]) + [kwargs.get(name) for name in ("query", "key", "value")[len(args):]])
-        self._call = (query, _root(key), _root(value))
+        self._call = (query, storage_root(key), storage_root(value))
         try:
             return func(*args, **kwargs)
         finally:
@@ -50,8 +48,8 @@ class AttentionRoles(TorchFunctionMode):
         if self._call is None:
             return self._called
         query, key_root, value_root = self._call
-        root = _root(tensor)
+        root = storage_root(tensor)
         if root is value_root:
             return True
-        return (root is not _root(query) and root is not key_root and tensor.dtype == query.dtype
+        return (root is not storage_root(query) and root is not key_root and tensor.dtype == query.dtype
                 and tensor.numel() == query.numel())

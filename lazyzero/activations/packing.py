@@ -49,7 +49,7 @@ from lazyzero.activations.attention_values import AttentionRoles
 from lazyzero.activations.offload import ActivationOffloader, OffloadedStorage
 from lazyzero.activations.offload_io import AioSettings
 from lazyzero.activations.policy import KEEP_BITS, ActivationPolicy, ModuleBits
-from lazyzero.activations.stored import DerivedStorage, PackedView, unpack_for_autograd
+from lazyzero.activations.stored import DerivedStorage, PackedView, storage_root, unpack_for_autograd
 from lazyzero.ops.quant import SUPPORTED_DTYPES, BlockQuantized, quantize_blockwise
 
 
@@ -210,7 +210,7 @@ class ActivationPacker:
 
     def _stored_form(self, tensor: torch.Tensor):
         """What backward will hold for `tensor`: itself when kept, a PackedView of it, or None if unsaved."""
-        stored = self._current(_root(tensor))
+        stored = self._current(storage_root(tensor))
         if stored is None:
             return None
         if KEEP_BITS in stored.forms:
@@ -226,7 +226,7 @@ class ActivationPacker:
         roles = AttentionRoles() if entry.value_bits is not None and self.active else None
         if roles is not None:
             roles.__enter__()
-        self._scopes.append((entry, module, None if module_input is None else _root(module_input), roles))
+        self._scopes.append((entry, module, None if module_input is None else storage_root(module_input), roles))
 
     def _exit_module(self, entry: ModuleBits, module: nn.Module, args, output) -> None:
         top, _, _, roles = self._scopes.pop()
@@ -239,7 +239,7 @@ class ActivationPacker:
         entry, module, module_input, roles = self._scopes[-1] if self._scopes else (None, None, None, None)
         if _aliases_parameter(tensor, module):
             return tensor
-        root = _root(tensor)
+        root = storage_root(tensor)
         bits = entry.bits if entry else KEEP_BITS
         if root is module_input:
             bits = entry.input_bits
@@ -270,7 +270,7 @@ class ActivationPacker:
     def _packable(self, tensor: torch.Tensor) -> bool:
         return (
             tensor.dtype in SUPPORTED_DTYPES
-            and tensor.dtype == _root(tensor).dtype
+            and tensor.dtype == storage_root(tensor).dtype
             and tensor.numel() >= self.policy.config.block_size
         )
 
@@ -337,18 +337,13 @@ def _first_tensor(args: tuple, kwargs: dict) -> torch.Tensor | None:
     return first if first is not None else kwargs.get("hidden_states")
 
 
-def _root(tensor: torch.Tensor) -> torch.Tensor:
-    """The tensor owning `tensor`'s storage (itself unless it is a view)."""
-    return tensor if tensor._base is None else tensor._base
-
-
 def _aliases_parameter(tensor: torch.Tensor, module: nn.Module | None) -> bool:
     """Whether `tensor` is a parameter, a view of one, or shares storage with one of `module`'s.
 
     The storage test catches frozen parameters and ZeRO-3's gathered ones (swapped in as `.data`
     just before the module runs, which is why it is done at save time and not ahead).
     """
-    root = _root(tensor)
+    root = storage_root(tensor)
     if isinstance(root, nn.Parameter) or (root.is_leaf and root.requires_grad):
         return True
     if module is None:

@@ -206,9 +206,9 @@ class ActivationPolicy:
                 continue
             layer = layer_index(name)
             chosen.append(ModuleBits(name, kind, layer, self.bits_for(name, kind, layer)))
-        return self._with_attention_inputs(chosen)
+        return self._with_attention_widths(chosen)
 
-    def _with_attention_inputs(self, chosen: list[ModuleBits]) -> list[ModuleBits]:
+    def _with_attention_widths(self, chosen: list[ModuleBits]) -> list[ModuleBits]:
         """`chosen` with each attention module's input width (`attention_input_bits`) and value width
         (`attention_value_bits`, after the layer's MLP width, which an override may set). Outside the
         decoder layers, and in recomputed layers (16 bits throughout), attention keeps both; an

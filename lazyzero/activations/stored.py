@@ -79,6 +79,11 @@ class PackedView:
         return cls(storage, tensor.shape, tensor.stride(), tensor.storage_offset())
 
 
+def storage_root(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor owning `tensor`'s storage (itself unless it is a view)."""
+    return tensor if tensor._base is None else tensor._base
+
+
 def _stored_bits(saved) -> int:
     if not isinstance(saved, PackedView):
         return KEEP_BITS

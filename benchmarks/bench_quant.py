@@ -6,6 +6,10 @@ buffers (the `_into` ops): a fresh 64 MiB output would otherwise be dominated by
 new pages on first touch. The `*_alloc_gbps` cases show what the allocating ops cost as called.
 Targets (issue): quantize >= 0.5 x memcpy and >= 4 x the reference.
 
+On a machine with a GPU the same cases also run on it (`gpu_*` keys) over 1 GiB of fp32, so that
+a pass (about half a millisecond on an H200) is long beside a kernel launch; there the copy
+baseline is a device-to-device copy and every timing is synchronized.
+
     python benchmarks/bench_quant.py --quick --out results/bench_quant.json
 """
 
@@ -24,6 +28,7 @@ from lazyzero.ops import native_build, quant_reference  # noqa: E402
 
 THREADS = 2
 INPUT_BYTES = 64 * 2**20
+GPU_INPUT_BYTES = 2**30
 BLOCK_SIZE = 256
 SUM_ROWS = 4  # chunks reduced by the fused dequantize-sum, as after a 4-rank all-to-all
 
@@ -35,7 +40,7 @@ def cases_and_bytes(x: torch.Tensor) -> tuple[dict, dict[str, int]]:
     codes, scales = ops.quantize_int8(x, BLOCK_SIZE, False, 0)
     rows_codes, rows_scales = codes.view(SUM_ROWS, -1), scales.view(SUM_ROWS, -1)
     restored = torch.empty_like(x)
-    summed = torch.empty(n // SUM_ROWS)
+    summed = torch.empty(n // SUM_ROWS, device=x.device)
     copy_destination = torch.empty_like(x)
     cases = {
         "quant": lambda: ops.quantize_int8_into(x, BLOCK_SIZE, False, 0, codes, scales),
@@ -62,13 +67,13 @@ def cases_and_bytes(x: torch.Tensor) -> tuple[dict, dict[str, int]]:
     return cases, moved
 
 
-def measure(quick: bool) -> dict[str, float]:
-    x = torch.randn(INPUT_BYTES // 4, generator=torch.Generator().manual_seed(0))
+def measure(quick: bool, device: str = "cpu", input_bytes: int = INPUT_BYTES, prefix: str = "") -> dict[str, float]:
+    x = torch.randn(input_bytes // 4, generator=torch.Generator().manual_seed(0)).to(device)
     cases, moved = cases_and_bytes(x)
     seconds = median_seconds(cases, repeats=5 if quick else 21)
-    results = {f"{name}_gbps": gbps(moved[name], seconds[name]) for name in cases}
-    results["quant_vs_memcpy"] = results["quant_gbps"] / results["memcpy_gbps"]
-    results["quant_vs_ref"] = results["quant_gbps"] / results["ref_quant_gbps"]
+    results = {f"{prefix}{name}_gbps": gbps(moved[name], seconds[name]) for name in cases}
+    results[f"{prefix}quant_vs_memcpy"] = results[f"{prefix}quant_gbps"] / results[f"{prefix}memcpy_gbps"]
+    results[f"{prefix}quant_vs_ref"] = results[f"{prefix}quant_gbps"] / results[f"{prefix}ref_quant_gbps"]
     return results
 
 
@@ -77,7 +82,11 @@ def main() -> None:
     pin_threads(THREADS)
     if not native_build.ensure_native("cpu"):
         raise SystemExit("the C++ kernels are unavailable:\n" + native_build.format_status(native_build.status()))
-    write_results(args.out, "bench_quant", args.quick, measure(args.quick))
+    results = measure(args.quick)
+    if torch.cuda.is_available():
+        native_build.ensure_native("cuda")  # raises, naming the reason, when the CUDA kernels cannot load
+        results.update(measure(args.quick, "cuda", GPU_INPUT_BYTES, prefix="gpu_"))
+    write_results(args.out, "bench_quant", args.quick, results)
 
 
 if __name__ == "__main__":

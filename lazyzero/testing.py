@@ -145,3 +145,23 @@ def write_json_from_every_rank(path, value) -> None:
     partial = Path(path).with_name(f".{Path(path).name}.{os.getpid()}.tmp")
     partial.write_text(json.dumps(value))
     os.replace(partial, path)
+
+
+class HostReads(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the operations that read a tensor's value back to the host (`.item()`, `bool(t)`):
+    on a GPU each one waits for every queued kernel. `with HostReads("cuda") as reads: ...`, then
+    `reads.count` (only tensors on that device type count)."""
+
+    READS = ("aten._local_scalar_dense", "aten.is_nonzero", "aten.item")
+
+    def __init__(self, device_type: str):
+        super().__init__()
+        self.device_type = device_type
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if str(func).startswith(self.READS) and any(
+            isinstance(arg, torch.Tensor) and arg.device.type == self.device_type for arg in args
+        ):
+            self.count += 1
+        return func(*args, **(kwargs or {}))

@@ -241,10 +241,13 @@ class ActivationPacker:
             return tensor
         root = storage_root(tensor)
         bits = entry.bits if entry else KEEP_BITS
+        # Inside attention, apart from its input and its value and output, a finite forward pass can
+        # save infinities (SDPA's logsumexp): see `_may_hold_infinities`.
+        inside_attention = entry is not None and entry.kind == "attention"
         if root is module_input:
-            bits = entry.input_bits
+            bits, inside_attention = entry.input_bits, False
         elif roles is not None and roles.is_value(tensor):
-            bits = entry.value_bits
+            bits, inside_attention = entry.value_bits, False
         if entry is not None and entry.kind == "head" and not _is_weight_gradient(tensor, module):
             bits = KEEP_BITS  # the hidden states' gradient: small, and every layer's backward starts from it
         if not self._packable(tensor):
@@ -260,7 +263,7 @@ class ActivationPacker:
                 self.accounting.record(layer, kind, root.untyped_storage().nbytes(), 0)
             return PackedView.of(stored.derived, tensor)
         if bits not in stored.forms:
-            form, kept = self._store(root, bits, entry)
+            form, kept = self._store(root, bits, entry, _may_hold_infinities(root, inside_attention))
             stored.forms[bits] = form
             if kept:
                 stored.forms[KEEP_BITS] = form  # kept exact: every later save refers to it (or its offloaded copy)
@@ -295,12 +298,13 @@ class ActivationPacker:
         # The root's Python object died: its id may be reused by an unrelated tensor.
         self._stored.pop(key, None)
 
-    def _store(self, root: torch.Tensor, bits: int, entry: ModuleBits | None) -> tuple[object, bool]:
+    def _store(self, root: torch.Tensor, bits: int, entry: ModuleBits | None,
+               check_finite: bool) -> tuple[object, bool]:
         """Store `root`'s whole storage at `bits`, off the device if its layer offloads, and record the
         bytes: (the form, None when kept as it is; whether it is kept exact rather than packed)."""
         before = root.untyped_storage().nbytes()
         layer, kind = (entry.layer, entry.kind) if entry else (None, None)
-        packed = None if bits == KEEP_BITS else self._quantize(root, bits)
+        packed = None if bits == KEEP_BITS else self._quantize(root, bits, check_finite)
         if packed is None:
             form = self.offloader.offload_kept(root, layer) if self.offloader is not None else None
             self.accounting.record(layer, kind, before, before, offloaded=before if form is not None else 0)
@@ -310,8 +314,9 @@ class ActivationPacker:
         self.accounting.record(layer, kind, before, after, offloaded=after if offloaded is not None else 0)
         return (packed if offloaded is None else offloaded), False
 
-    def _quantize(self, root: torch.Tensor, bits: int) -> BlockQuantized | None:
-        """`root`'s whole storage block-quantized at `bits`, or None where it must stay exact."""
+    def _quantize(self, root: torch.Tensor, bits: int, check_finite: bool) -> BlockQuantized | None:
+        """`root`'s whole storage block-quantized at `bits`, or None where it must stay exact (a block
+        not finite, looked for only when `check_finite`)."""
         numel = root.untyped_storage().nbytes() // root.element_size()
         flat = root.detach().as_strided((numel,), (1,), 0)
         config = self.policy.config
@@ -321,7 +326,20 @@ class ActivationPacker:
                                     keep_outliers=config.keep_outliers)
         # A block holding Inf or NaN (SDPA's logsumexp is -inf on fully masked rows) would come back
         # as all NaN: keep such a tensor exact. One check over the scales, a block-th of the tensor.
+        if not check_finite:
+            return packed
         return packed if bool(torch.isfinite(packed.scales).all()) else None
+
+
+def _may_hold_infinities(root: torch.Tensor, inside_attention: bool) -> bool:
+    """Whether `_quantize` looks for blocks that are not finite in `root`. The look reads a flag back
+    to the host, which on a GPU first waits for every queued kernel, once per stored tensor: it kept
+    the host from running ahead and more than doubled an H200's step time (docs/activations.md). So
+    on a GPU it runs only where a finite forward pass saves infinities: inside attention, apart from
+    its input, value and output (SDPA's logsumexp is -inf on fully masked rows). Anywhere else an
+    infinity means the loss is not finite either, and the step is lost with or without quantization.
+    On the CPU the look waits for nothing and runs everywhere."""
+    return root.device.type == "cpu" or inside_attention
 
 
 def _is_weight_gradient(tensor: torch.Tensor, head: nn.Module) -> bool:

@@ -12,7 +12,7 @@ from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRot
 from lazyzero.activations import ActivationPacker, ActivationPolicy
 from lazyzero.activations import packing as packing_module
 from lazyzero.config.models import ActivationsConfig
-from lazyzero.testing import TOLERANCES, cosines_by_name
+from lazyzero.testing import TOLERANCES, HostReads, cosines_by_name
 
 BATCH, SEQ, HIDDEN, HEADS, INTERMEDIATE = 2, 32, 64, 4, 172
 HEAD_DIM = HIDDEN // HEADS
@@ -333,3 +333,18 @@ def test_a_recipe_is_rebuilt_once_for_all_the_nodes_that_read_it(monkeypatch):
     assert len(rebuilt) == 3 + 2 + 1  # per node without the sharing; the same gradients either way
     for name, grad in grads.items():
         torch.testing.assert_close(unshared[name], grad, rtol=0, atol=0)
+
+
+def test_on_the_cpu_each_quantized_tensor_is_checked_for_infinities():
+    """On the CPU the packer reads one flag per quantized tensor back to the host (it waits for nothing
+    there); on a GPU only attention's own tensors are read, and test_packing_cuda.py counts none under
+    the default policy. This shows that `HostReads` sees such reads."""
+    model = OneLayerModel(seed=0)
+    leaf = torch.randn(BATCH, SEQ, HIDDEN, requires_grad=True)
+    packer = ActivationPacker(model, ActivationPolicy(ActivationsConfig()))
+    with HostReads("cpu") as reads, packer:
+        model(leaf * 1.0)
+    with HostReads("cpu") as plain_reads:
+        model(leaf * 1.0)
+    stored = sum(cell.tensors for cell in packer.accounting.by_kind().values())
+    assert 0 < reads.count - plain_reads.count <= stored

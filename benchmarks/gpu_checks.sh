@@ -10,7 +10,8 @@
 # cffi and pycparser; see the device tool's README). mip's solver wheel (cbcbox, 180 MB) stays behind:
 # `import mip` does not load it and nothing here solves. The engine tests and benchmarks are skipped,
 # with a line saying so, when deepspeed cannot be imported. Each step has its own time limit, so one
-# that hangs does not take the others' time.
+# that hangs does not take the others' time; it is stopped with SIGABRT, on which Python (-X faulthandler)
+# prints where every thread was.
 #
 #     OUT=/tmp/gpu bash benchmarks/gpu_checks.sh
 set -uo pipefail
@@ -31,18 +32,18 @@ python3 -c "from lazyzero.ops import native_build as b; print(b.format_status(b.
 echo "build: $(( $(date +%s) - start )) s" | tee -a "$OUT/build.log"
 
 status=0
-timeout 120 python3 -m pytest -q -m gpu tests/ops 2>&1 | tee "$OUT/gpu_kernel_tests.log" || status=1
+timeout -s ABRT 120 python3 -X faulthandler -m pytest -q -m gpu tests/ops 2>&1 | tee "$OUT/gpu_kernel_tests.log" || status=1
 
 if python3 -c "import deepspeed, pydantic" 2>/dev/null; then
-    timeout 120 python3 -m pytest -q -m gpu tests/gradients/test_quantized_collectives_cuda.py tests/checkpoint/test_lazy_engine.py \
+    timeout -s ABRT 120 python3 -X faulthandler -m pytest -q -m gpu tests/gradients/test_quantized_collectives_cuda.py tests/checkpoint/test_lazy_engine.py \
         tests/activations/test_packing_cuda.py 2>&1 \
         | tee "$OUT/gpu_engine_tests.log" || status=1
-    timeout 150 python3 benchmarks/bench_activations.py --quick --out "$OUT/bench_activations.json" 2>&1 \
+    timeout -s ABRT 150 python3 -X faulthandler benchmarks/bench_activations.py --quick --out "$OUT/bench_activations.json" 2>&1 \
         | tee "$OUT/bench_activations.log" || status=1
-    timeout 150 python3 benchmarks/profile_activations.py 2>&1 | tee "$OUT/profile_activations.log" || status=1
-    timeout 90 python3 benchmarks/bench_quant.py --quick --out "$OUT/bench_quant.json" 2>&1 | tee "$OUT/bench_quant.log" || status=1
+    timeout -s ABRT 150 python3 -X faulthandler benchmarks/profile_activations.py 2>&1 | tee "$OUT/profile_activations.log" || status=1
+    timeout -s ABRT 90 python3 -X faulthandler benchmarks/bench_quant.py --quick --out "$OUT/bench_quant.json" 2>&1 | tee "$OUT/bench_quant.log" || status=1
     # Last: its one-rank ZeRO-2 engine on NCCL outlasted 100 s on the H200 once (docs/optimizer.md).
-    timeout 150 python3 benchmarks/bench_optim.py --quick --out "$OUT/bench_optim.json" 2>&1 | tee "$OUT/bench_optim.log" || status=1
+    timeout -s ABRT 150 python3 -X faulthandler benchmarks/bench_optim.py --quick --out "$OUT/bench_optim.json" 2>&1 | tee "$OUT/bench_optim.log" || status=1
 else
     echo "deepspeed or pydantic not importable: engine tests and benchmarks skipped (carry their wheels in .whl/)" \
         | tee "$OUT/skipped.txt"

@@ -241,8 +241,11 @@ class ActivationPacker:
             return tensor
         root = storage_root(tensor)
         bits = entry.bits if entry else KEEP_BITS
-        # Inside attention, apart from its input and its value and output, a finite forward pass can
-        # save infinities (SDPA's logsumexp): see `_may_hold_infinities`.
+        # Only inside attention, apart from its input, value and output, does a finite forward pass
+        # save infinities (SDPA's logsumexp is -inf on fully masked rows): only there does `_quantize`
+        # look for blocks that are not finite. Anywhere else an infinity means the loss is not finite
+        # either. The look reads a flag back to the host, which on a GPU waits for every queued kernel:
+        # once per stored tensor, it more than doubled an H200's step (docs/activations.md).
         inside_attention = entry is not None and entry.kind == "attention"
         if root is module_input:
             bits, inside_attention = entry.input_bits, False
@@ -263,7 +266,7 @@ class ActivationPacker:
                 self.accounting.record(layer, kind, root.untyped_storage().nbytes(), 0)
             return PackedView.of(stored.derived, tensor)
         if bits not in stored.forms:
-            form, kept = self._store(root, bits, entry, _may_hold_infinities(root, inside_attention))
+            form, kept = self._store(root, bits, entry, check_finite=inside_attention)
             stored.forms[bits] = form
             if kept:
                 stored.forms[KEEP_BITS] = form  # kept exact: every later save refers to it (or its offloaded copy)
@@ -329,17 +332,6 @@ class ActivationPacker:
         if not check_finite:
             return packed
         return packed if bool(torch.isfinite(packed.scales).all()) else None
-
-
-def _may_hold_infinities(root: torch.Tensor, inside_attention: bool) -> bool:
-    """Whether `_quantize` looks for blocks that are not finite in `root`. The look reads a flag back
-    to the host, which on a GPU first waits for every queued kernel, once per stored tensor: it kept
-    the host from running ahead and more than doubled an H200's step time (docs/activations.md). So
-    on a GPU it runs only where a finite forward pass saves infinities: inside attention, apart from
-    its input, value and output (SDPA's logsumexp is -inf on fully masked rows). Anywhere else an
-    infinity means the loss is not finite either, and the step is lost with or without quantization.
-    On the CPU the look waits for nothing and runs everywhere."""
-    return root.device.type == "cpu" or inside_attention
 
 
 def _is_weight_gradient(tensor: torch.Tensor, head: nn.Module) -> bool:

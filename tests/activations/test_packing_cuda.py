@@ -84,5 +84,5 @@ def _host_reads_in_forward(config: ActivationsConfig | None) -> int:
 def test_packing_on_cuda_never_makes_the_host_wait():
     """A read per stored tensor keeps the host from queueing work ahead of the GPU (it more than doubled
     an H200's step time: docs/activations.md); the default policy's forward reads no more than the
-    plain one. (tests/activations/test_packing.py shows the count sees the CPU's reads.)"""
+    plain one (as tests/activations/test_packing.py asserts on the CPU)."""
     assert _host_reads_in_forward(ActivationsConfig()) == _host_reads_in_forward(None)

@@ -121,13 +121,14 @@ class MaskedProduct(torch.nn.Module):
         return x * mask
 
 
-def test_tensors_with_infinities_are_kept_exact():
-    """Without kept outliers a block holding -inf would come back all NaN: the tensor is kept as saved.
-    (With them, the one -inf of a block is the block's outlier and comes back exact; see
-    tests/ops/test_quant_api.py.)"""
-    model = Holder("mlp", MaskedProduct())
-    model.forward = lambda x, mask: model.mlp(x, mask)
-    packer = ActivationPacker(model, ActivationPolicy(ActivationsConfig(keep_outliers=False)))
+def test_tensors_with_infinities_inside_attention_are_kept_exact():
+    """Without kept outliers a block holding -inf would come back all NaN: inside attention (where SDPA
+    saves them) such a tensor is kept as saved. (With kept outliers the one -inf of a block is the
+    block's outlier and comes back exact; see tests/ops/test_quant_api.py.)"""
+    model = Holder("attn", MaskedProduct())
+    model.forward = lambda x, mask: model.attn(x, mask)
+    config = ActivationsConfig(keep_outliers=False, attention_bits=8)
+    packer = ActivationPacker(model, ActivationPolicy(config))
     x = torch.randn(512, requires_grad=True)
     mask = torch.randn(512, requires_grad=True)
     masked = mask.detach().clone()

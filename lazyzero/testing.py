@@ -4,6 +4,7 @@ Bit-exact comparisons use atol=0, rtol=0. Every looser tolerance below says why 
 """
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from lazyzero.distributed.launch import distributed_env, free_port, launch_command, run_deepspeed_nodes, run_distributed  # noqa: F401 - the tests' helpers
 
@@ -147,7 +148,7 @@ def write_json_from_every_rank(path, value) -> None:
     os.replace(partial, path)
 
 
-class HostReads(torch.utils._python_dispatch.TorchDispatchMode):
+class HostReads(TorchDispatchMode):
     """Counts the operations that read a tensor's value back to the host (`.item()`, `bool(t)`):
     on a GPU each one waits for every queued kernel. `with HostReads("cuda") as reads: ...`, then
     `reads.count` (only tensors on that device type count)."""

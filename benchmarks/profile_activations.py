@@ -1,6 +1,6 @@
 """Where a packed training step's time goes: the plain step against the default policy's, per preset.
 
-For each preset: the median of interleaved steps of each (after two warm-ups), the peak memory above
+For each preset: the median of interleaved steps of each (`common.median_seconds`), the peak memory above
 the step's floor on a GPU, and with `--profile` one profiled step of each, its operators by self
 time (GPU and host). On a GPU a step whose summed kernel time is far below its wall time is set by
 the host's launches and waits, not by the kernels (docs/activations.md, "On a GPU").
@@ -12,9 +12,7 @@ the host's launches and waits, not by the kernels (docs/activations.md, "On a GP
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -22,6 +20,7 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_activations sits beside this script
 from bench_activations import POLICIES, Trainee  # noqa: E402
+from common import median_seconds  # noqa: E402
 
 CASES = {"baseline": None, "default": POLICIES["default"]}
 
@@ -51,18 +50,6 @@ def peak_above_floor(trainee: Trainee, config) -> int | None:
     return torch.cuda.max_memory_allocated() - floor
 
 
-def median_steps(trainee: Trainee, repeats: int) -> dict[str, float]:
-    seconds = {name: [] for name in CASES}
-    for _ in range(repeats):
-        for name, config in CASES.items():
-            synchronize()
-            start = time.perf_counter()
-            trainee.step(config)
-            synchronize()
-            seconds[name].append(time.perf_counter() - start)
-    return {name: statistics.median(values) for name, values in seconds.items()}
-
-
 def print_profile(trainee: Trainee, name: str, config) -> None:
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     with profile(activities=activities) as prof:
@@ -86,7 +73,8 @@ def main() -> None:
         for config in CASES.values():
             trainee.step(config)  # warm-up: optimizer state, kernels, allocator
         peaks = {name: peak_above_floor(trainee, config) for name, config in CASES.items()}
-        median = median_steps(trainee, args.repeats)
+        median = median_seconds({name: (lambda config=config, trainee=trainee: trainee.step(config))
+                                 for name, config in CASES.items()}, args.repeats)
         print(f"== {preset} {batch} x {seq}: median step {median['baseline']:.4f} s plain, {median['default']:.4f} s "
               f"default: {median['default'] / median['baseline']:.3f} x", flush=True)
         if peaks["baseline"]:

@@ -2,9 +2,9 @@
 
 One training step (forward, backward, AdamW step) of a bf16 model from a preset, at a sequence length
 where saved activations dominate memory, in one process: the baseline (no lazyzero hooks) and the
-default activation policy of `"lazyzero": {"activations": {"enabled": true}}` (attention's q, k, v and
-output kept, the rest at 8 bits with each block's largest value exact, cheap elementwise recomputation
-and the fused loss head on). Keys:
+default activation policy of `"lazyzero": {"activations": {"enabled": true}}` (attention's q and k at 8 bits
+in centred blocks along tokens, its value and output at 8 bits, its logsumexp exact, the rest at 8 bits
+with each block's largest value exact, cheap elementwise recomputation and the fused loss head on). Keys:
 
 - `saved_bytes_ratio`: bytes the quantized step stores for backward over the bytes autograd saves in
   the baseline (counted by the packer with every module at 16 bits: the same tensors, unpacked);
@@ -19,8 +19,9 @@ and the fused loss head on). Keys:
   same quality bound (at most 0.03, at least 0.99) to be a default.
 Targets (docs/activations.md): at most 0.30, 0.50 and 1.15. Details: bytes per module kind, the share of the
 baseline that the 16-bit attention keeps under the default policy (a floor for `saved_bytes_ratio`),
-and the same ratios for the 4-bit policy of earlier releases (`default_bits: 4`), an `attention_bits: 8`
-policy and `attention_input_bits: 16` (the attention's input kept exact too).
+and the same ratios for the 4-bit policy of earlier releases (`default_bits: 4`), `attention_bits: 16` (q and
+k exact, the default before they were stored by channel) and `attention_input_bits: 16` (the attention's
+input kept exact too).
 
 With `--model NAME` (a real pretrained model, e.g. smollm2-135m), the same default policy on it, on text
 that is not arithmetic (Python source from the standard library), `--real-batch` x `--real-seq` tokens:
@@ -54,7 +55,7 @@ from lazyzero.plan.profile.measure import heap_live_bytes, peak_bytes  # noqa: E
 
 POLICIES = {"default": ActivationsConfig(enabled=True),
             "mlp_4bit": ActivationsConfig(enabled=True, default_bits=4),
-            "attention_8bit": ActivationsConfig(enabled=True, attention_bits=8),
+            "attention_exact": ActivationsConfig(enabled=True, attention_bits=16),
             "attention_input_exact": ActivationsConfig(enabled=True, attention_input_bits=16)}
 # The tensors autograd saves without lazyzero, counted by the packer (nothing quantized or fused).
 UNQUANTIZED = ActivationsConfig(enabled=True, default_bits=16, attention_bits=16, fused_loss=False)

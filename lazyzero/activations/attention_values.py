@@ -1,7 +1,9 @@
-"""Which tensors an attention module saves are its values, its output or the output projection's input.
+"""Which tensors an attention module saves are its query and key, its values, its output or the output
+projection's input.
 
-The policy stores those at `attention_value_bits` and q, k and the logsumexp at `attention_bits`
-(lazyzero/activations/policy.py says why). They cannot be told apart by module: the attention's own
+The policy stores the values, the output and the output projection's input at `attention_value_bits`,
+q and k at `attention_bits` by channel, and keeps the logsumexp exact (lazyzero/activations/policy.py
+says why). They cannot be told apart by module: the attention's own
 backward saves all of them in one node. So while a managed attention module runs, `AttentionRoles`
 watches its call of `torch.nn.functional.scaled_dot_product_attention` (the path transformers'
 "sdpa" attention takes) through a torch function mode, and answers for each saved storage:
@@ -24,7 +26,8 @@ _SDPA = torch.nn.functional.scaled_dot_product_attention
 
 
 class AttentionRoles(TorchFunctionMode):
-    """Enter around one attention module's forward; `is_value(tensor)` inside the pack hook."""
+    """Enter around one attention module's forward; `is_value(tensor)` and `is_query_or_key(tensor)` inside
+    the pack hook."""
 
     def __init__(self):
         super().__init__()
@@ -53,3 +56,11 @@ class AttentionRoles(TorchFunctionMode):
             return True
         return (root is not storage_root(query) and root is not key_root and tensor.dtype == query.dtype
                 and tensor.numel() == query.numel())
+
+    def is_query_or_key(self, tensor: torch.Tensor) -> bool:
+        """Whether `tensor`, being saved now, is (a view of) the query or the key of the SDPA call running."""
+        if self._call is None:
+            return False
+        query, key_root, _ = self._call
+        root = storage_root(tensor)
+        return root is key_root or root is storage_root(query)

@@ -35,6 +35,7 @@ which reads it back in backward (lazyzero/activations/offload.py).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import weakref
 from dataclasses import dataclass, field
@@ -46,6 +47,7 @@ from torch import nn
 from lazyzero.activations import loss_head, rewrites
 from lazyzero.activations.accounting import ActivationAccounting
 from lazyzero.activations.attention_values import AttentionRoles
+from lazyzero.activations.by_channel import ChannelBlocked, quantize_by_channel
 from lazyzero.activations.offload import ActivationOffloader, OffloadedStorage
 from lazyzero.activations.offload_io import AioSettings
 from lazyzero.activations.policy import KEEP_BITS, ActivationPolicy, ModuleBits
@@ -60,7 +62,7 @@ class _StoredStorage:
 
     root: weakref.ref
     version: int
-    forms: dict[int, BlockQuantized | OffloadedStorage | None] = field(default_factory=dict)
+    forms: dict[int, BlockQuantized | ChannelBlocked | OffloadedStorage | None] = field(default_factory=dict)
     derived: DerivedStorage | None = None
     derived_counted: bool = False
 
@@ -223,7 +225,8 @@ class ActivationPacker:
 
     def _enter_module(self, entry: ModuleBits, module: nn.Module, args, kwargs) -> None:
         module_input = _first_tensor(args, kwargs) if entry.input_bits is not None else None
-        roles = AttentionRoles() if entry.value_bits is not None and self.active else None
+        wants_roles = entry.value_bits is not None or entry.query_key_bits is not None
+        roles = AttentionRoles() if wants_roles and self.active else None
         if roles is not None:
             roles.__enter__()
         self._scopes.append((entry, module, None if module_input is None else storage_root(module_input), roles))
@@ -247,10 +250,13 @@ class ActivationPacker:
         # either. The look reads a flag back to the host, which on a GPU waits for every queued kernel:
         # once per stored tensor, it more than doubled an H200's step (docs/activations.md).
         inside_attention = entry is not None and entry.kind == "attention"
+        by_channel = False
         if root is module_input:
             bits, inside_attention = entry.input_bits, False
-        elif roles is not None and roles.is_value(tensor):
+        elif roles is not None and entry.value_bits is not None and roles.is_value(tensor):
             bits, inside_attention = entry.value_bits, False
+        elif roles is not None and entry.query_key_bits is not None and roles.is_query_or_key(tensor):
+            bits, inside_attention, by_channel = entry.query_key_bits, False, True
         if entry is not None and entry.kind == "head" and not _is_weight_gradient(tensor, module):
             bits = KEEP_BITS  # the hidden states' gradient: small, and every layer's backward starts from it
         if not self._packable(tensor):
@@ -266,7 +272,7 @@ class ActivationPacker:
                 self.accounting.record(layer, kind, root.untyped_storage().nbytes(), 0)
             return PackedView.of(stored.derived, tensor)
         if bits not in stored.forms:
-            form, kept = self._store(root, bits, entry, check_finite=inside_attention)
+            form, kept = self._store(root, bits, entry, check_finite=inside_attention, by_channel=by_channel)
             stored.forms[bits] = form
             if kept:
                 stored.forms[KEEP_BITS] = form  # kept exact: every later save refers to it (or its offloaded copy)
@@ -301,12 +307,15 @@ class ActivationPacker:
         # The root's Python object died: its id may be reused by an unrelated tensor.
         self._stored.pop(key, None)
 
-    def _store(self, root: torch.Tensor, bits: int, entry: ModuleBits | None,
-               check_finite: bool) -> tuple[object, bool]:
-        """Store `root`'s whole storage at `bits`, off the device if its layer offloads, and record the
-        bytes: (the form, None when kept as it is; whether it is kept exact rather than packed)."""
+    def _store(self, root: torch.Tensor, bits: int, entry: ModuleBits | None, check_finite: bool,
+               by_channel: bool = False) -> tuple[object, bool]:
+        """Store `root`'s whole storage at `bits` (`by_channel`: in blocks along tokens, where its layout
+        allows), off the device if its layer offloads, and record the bytes: (the form, None when kept as
+        it is; whether it is kept exact rather than packed)."""
         before = root.untyped_storage().nbytes()
         layer, kind = (entry.layer, entry.kind) if entry else (None, None)
+        if bits != KEEP_BITS and by_channel:
+            return self._store_by_channel(root, bits, layer, kind)
         packed = None if bits == KEEP_BITS else self._quantize(root, bits, check_finite)
         if packed is None:
             form = self.offloader.offload_kept(root, layer) if self.offloader is not None else None
@@ -316,6 +325,23 @@ class ActivationPacker:
         offloaded = self.offloader.offload_packed(packed, layer) if self.offloader is not None else None
         self.accounting.record(layer, kind, before, after, offloaded=after if offloaded is not None else 0)
         return (packed if offloaded is None else offloaded), False
+
+    def _store_by_channel(self, root: torch.Tensor, bits: int, layer: int | None, kind) -> tuple[object, bool]:
+        """`_store` of an attention call's query or key: in centred blocks along tokens
+        (lazyzero/activations/by_channel.py), or in blocks along the storage where its layout is not
+        tokens by channels."""
+        config = self.policy.config
+        self._seed += 1
+        form = quantize_by_channel(root.detach(), bits, config.block_size, config.stochastic_rounding, self._seed)
+        if form is None:
+            return self._store(root, bits, ModuleBits("", kind, layer, bits), check_finite=False)
+        after, codes_bytes = form.nbytes, form.codes.nbytes
+        offloaded = self.offloader.offload_packed(form.codes, layer) if self.offloader is not None else None
+        if offloaded is not None:
+            form = dataclasses.replace(form, codes=offloaded)
+        self.accounting.record(layer, kind, root.untyped_storage().nbytes(), after,
+                               offloaded=codes_bytes if offloaded is not None else 0)
+        return form, False
 
     def _quantize(self, root: torch.Tensor, bits: int, check_finite: bool) -> BlockQuantized | None:
         """`root`'s whole storage block-quantized at `bits`, or None where it must stay exact (a block

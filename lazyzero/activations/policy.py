@@ -8,7 +8,7 @@ A module's width, first rule that applies wins:
 1. its layer is in `recompute_layers`: 16 (the layer's activations are recomputed, not saved, so
    there is nothing to quantize; the recomputation must see exact inputs);
 2. the first `overrides` pattern (fnmatch on the module name) that matches it;
-3. `attention_bits` for attention modules (the planner does not lower attention either);
+3. 16 for attention modules, apart from the tensors below (the planner does not lower attention either);
 4. the planner's width for its layer (`ActivationPolicy.with_layer_bits`), else `default_bits`;
    norms get at least `norm_bits` (the residual stream they read has outlier channels: at 4 bits
    the norms gave half the gradient error of the demo model, 0.042 relative, against 0.021 with
@@ -19,15 +19,20 @@ One tensor of an attention module is not attention's own: its input, the output 
 it, which only the q/k/v projections' weight gradients read. It is stored like the norm's stored
 input (the layer's norm width, or `attention_input_bits`), which is what lets the norm's output be
 rebuilt in backward instead of stored (lazyzero/activations/rewrites.py). q, k, v, the attention's
-output and its logsumexp, what the attention's own backward reads, keep the attention's width.
+output and its logsumexp, what the attention's own backward reads, need more care.
 
-Of those, only q, k and the logsumexp need it: they rebuild the softmax, whose exponent turns a small
-error in a logit into a large one in a probability. The value, the attention's output and the output
-projection's input (a view of that output) are read only by products summed over the head dimension
-(dP = dO V^T, the row sums of dO * O, and the output projection's weight gradient), as an MLP's inputs
-are, so they are stored at `attention_value_bits` (8) where the layer's own width is below 16. On
-SmolLM2 that took the gradient error from 0.0073 to 0.0097 and cut the attention's stored bytes by a
-third; q or k at 8 bits instead gave 0.020 (docs/activations.md).
+q, k and the logsumexp rebuild the softmax, whose exponent turns a small error in a logit into a large
+one in a probability. The logsumexp (one value per row) is kept exact. q and k are stored at
+`attention_bits` (8) in blocks along tokens within each channel, each block centred
+(lazyzero/activations/by_channel.py): in blocks along the hidden dimension, k alone at 8 bits took
+SmolLM2's gradient error from 0.0097 to 0.020 and its lowest cosine to 0.990; stored by channel, q and
+k together took it to 0.015 and 0.9976 (docs/activations.md). The value, the attention's output and the
+output projection's input (a view of that output) are read only by products summed over the head
+dimension (dP = dO V^T, the row sums of dO * O, and the output projection's weight gradient), as an
+MLP's inputs are, so they are stored at `attention_value_bits` (8) where the layer's own width is below
+16. On SmolLM2 that took the gradient error from 0.0073 to 0.0097 and cut the attention's stored bytes
+by a third. Without an SDPA call (eager attention) these roles cannot be told apart and the attention's
+tensors stay exact.
 """
 
 from __future__ import annotations
@@ -122,6 +127,9 @@ class ModuleBits:
     value_bits: int | None = None
     """Attention only: width of its value, output and output projection's input where narrower than
     `bits` (`ActivationPolicy.attention_value_bits`); None: `bits`."""
+    query_key_bits: int | None = None
+    """Attention only: width of the query and key its SDPA call saves, stored in blocks along tokens
+    (lazyzero/activations/by_channel.py), where narrower than `bits`; None: `bits`."""
 
 
 @dataclass(frozen=True)
@@ -149,7 +157,7 @@ class ActivationPolicy:
         if override is not None:
             return override
         if kind == "attention":
-            return self.config.attention_bits
+            return KEEP_BITS  # q and k narrower by `attention_bits`, the values by `attention_value_bits`
         return self._norm_width(layer) if kind == "norm" else self._layer_width(layer)
 
     def _layer_width(self, layer: int | None) -> int:
@@ -223,9 +231,11 @@ class ActivationPolicy:
                 if entry.kind == "attention" and entry.layer in norm_bits else entry for entry in chosen]
 
     def _attention_widths(self, entry: ModuleBits, layer_norm_bits: int, layer_mlp_bits: int | None) -> ModuleBits:
-        value_bits = None
+        value_bits = query_key_bits = None
         if self.override_for(entry.name) is None and entry.layer not in self.config.recompute_layers:
             layer_width = self._layer_width(entry.layer) if layer_mlp_bits is None else layer_mlp_bits
             value_bits = self.attention_value_bits(layer_width, entry.bits)
+            query_key_width = max(layer_width, self.config.attention_bits)  # a 16-bit layer keeps them exact
+            query_key_bits = query_key_width if query_key_width < entry.bits else None
         return dataclasses.replace(entry, input_bits=self.attention_input_bits(layer_norm_bits, entry.bits),
-                                   value_bits=value_bits)
+                                   value_bits=value_bits, query_key_bits=query_key_bits)

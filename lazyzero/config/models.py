@@ -137,8 +137,11 @@ class ActivationsConfig(ConfigSection):
     keeps them unquantized. 4 halves their bytes but, on pretrained LLMs, gives about ten times the gradient error
     of 8 (docs/activations.md)."""
 
-    attention_bits: Literal[8, 16] = 16
-    """Bits for tensors saved by attention, whose softmax is too sensitive for 4 bits."""
+    attention_bits: Literal[8, 16] = 8
+    """Bits for the query and key an attention call saves, which rebuild its softmax (too sensitive for 4 bits):
+    stored in blocks along tokens within each channel, each block centred, where pretrained models' large key
+    channels cost no precision; 16 keeps them exact. The logsumexp, and every tensor of an attention that does not
+    call SDPA (eager attention), stay exact (docs/activations.md)."""
 
     attention_input_bits: Optional[Literal[4, 8, 16]] = None
     """Bits for the attention module's input (the output of the norm before it, read only by the q/k/v projections'
@@ -148,8 +151,8 @@ class ActivationsConfig(ConfigSection):
 
     attention_value_bits: Literal[8, 16] = 8
     """Fewest bits for the attention's value, its output and the output projection's input, which only sums over the
-    head dimension read (q, k and the logsumexp, which rebuild the softmax, keep `attention_bits`); a wider layer
-    width applies, so a layer kept at 16 bits keeps them exact. 16: the whole attention at `attention_bits`."""
+    head dimension read (q and k, which rebuild the softmax, keep `attention_bits`); a wider layer width applies, so
+    a layer kept at 16 bits keeps them exact. 16: kept exact."""
 
     norm_bits: Literal[4, 8, 16] = 8
     """Fewest bits for tensors saved by norms (their input is the residual stream, whose outlier channels 4-bit

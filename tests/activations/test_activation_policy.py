@@ -95,7 +95,8 @@ def test_rules_apply_in_order_recompute_override_attention_planner_default():
     assert policy.bits_for("model.layers.2.mlp", "mlp", 2) == 16  # recomputed beats every override
     assert policy.bits_for("model.layers.1.mlp", "mlp", 1) == 16  # first matching pattern wins
     assert policy.bits_for("model.layers.3.mlp", "mlp", 3) == 8  # override
-    assert policy.bits_for("model.layers.0.self_attn", "attention", 0) == 8  # planner leaves attention
+    # The planner leaves attention, kept exact apart from its query, key and values (their own widths).
+    assert policy.bits_for("model.layers.0.self_attn", "attention", 0) == 16
     assert policy.bits_for("model.layers.0.input_layernorm", "norm", 0) == 16  # planner
     assert policy.bits_for("model.layers.3.input_layernorm", "norm", 3) == 8  # planner
     assert policy.bits_for("model.layers.4.input_layernorm", "norm", 4) == 4  # default (norm_bits 8 by default)
@@ -124,6 +125,21 @@ def test_attention_stores_its_input_like_the_norm_before_it():
     assert input_widths(ActivationsConfig(attention_bits=8, norm_bits=4, default_bits=4)) == {0: 4, 1: 4}
 
 
+def query_key_widths(config: ActivationsConfig, layer_bits: dict | None = None) -> dict:
+    policy = ActivationPolicy(config).with_layer_bits(layer_bits or {})
+    plan = policy.plan(build_model("tiny", "llama", meta=True))
+    return {entry.layer: entry.query_key_bits for entry in plan if entry.kind == "attention"}
+
+
+def test_query_and_key_keep_attention_bits_unless_their_layer_is_kept_whole():
+    assert query_key_widths(ActivationsConfig()) == {0: 8, 1: 8}
+    assert query_key_widths(ActivationsConfig(default_bits=4)) == {0: 8, 1: 8}  # never below attention_bits
+    assert query_key_widths(ActivationsConfig(attention_bits=16)) == {0: None, 1: None}
+    assert query_key_widths(ActivationsConfig(), {0: 16}) == {0: None, 1: 8}  # a 16-bit planned layer
+    assert query_key_widths(ActivationsConfig(recompute_layers=[1])) == {0: 8, 1: None}
+    assert query_key_widths(ActivationsConfig(overrides={"*.self_attn": 8})) == {0: None, 1: None}  # the override's
+
+
 def value_widths(config: ActivationsConfig, layer_bits: dict | None = None) -> dict:
     policy = ActivationPolicy(config).with_layer_bits(layer_bits or {})
     plan = policy.plan(build_model("tiny", "llama", meta=True))
@@ -137,8 +153,8 @@ def test_attention_values_take_their_own_width_where_the_layer_is_quantized():
     assert value_widths(ActivationsConfig(default_bits=16)) == {0: None, 1: None}  # a 16-bit layer keeps them
     assert value_widths(ActivationsConfig(), {0: 16}) == {0: None, 1: 8}  # a 16-bit planned layer
     assert value_widths(ActivationsConfig(recompute_layers=[1])) == {0: 8, 1: None}
-    assert value_widths(ActivationsConfig(attention_bits=8)) == {0: None, 1: None}  # already at 8
     # An override naming the attention sets all of it; one naming the MLP sets the layer's width.
+    assert value_widths(ActivationsConfig(overrides={"*.self_attn": 8})) == {0: None, 1: None}
     assert value_widths(ActivationsConfig(overrides={"model.layers.1.*": 16})) == {0: 8, 1: None}
     assert value_widths(ActivationsConfig(default_bits=16, overrides={"model.layers.1.mlp": 8})) == {0: None, 1: 8}
 

@@ -10,9 +10,10 @@ from lazyzero.config.models import ActivationsConfig
 from lazyzero.models.build import build_model
 
 
-def _saved_roles(dtype: torch.dtype) -> list[tuple[str, bool]]:
-    """(what each tensor saved around and inside SDPA is, whether AttentionRoles calls it a value), in
-    the order they are saved; "output" is a tensor of the query's size that is none of q, k, v."""
+def _saved_roles(dtype: torch.dtype) -> list[tuple[str, bool, bool]]:
+    """(what each tensor saved around and inside SDPA is, whether AttentionRoles calls it a value, and the
+    query or key), in the order they are saved; "output" is a tensor of the query's size that is none of
+    q, k, v."""
     generator = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(2, 4, 64, 16, generator=generator, dtype=dtype).requires_grad_() for _ in range(3))
     projection = torch.nn.Linear(64, 64, dtype=dtype)
@@ -24,7 +25,8 @@ def _saved_roles(dtype: torch.dtype) -> list[tuple[str, bool]]:
         if isinstance(root, torch.nn.Parameter):
             return tensor  # the packer keeps parameters and their views before it asks for roles
         output = tensor.dtype == dtype and tensor.numel() == q.numel()
-        seen.append((names.get(id(root), "output" if output else "other"), roles.is_value(tensor)))
+        name = names.get(id(root), "output" if output else "other")
+        seen.append((name, roles.is_value(tensor), roles.is_query_or_key(tensor)))
         return tensor
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor), roles:
@@ -37,17 +39,25 @@ def _saved_roles(dtype: torch.dtype) -> list[tuple[str, bool]]:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_value_and_output_are_values_and_what_rebuilds_the_softmax_is_not(dtype):
-    seen = _saved_roles(dtype)
+    seen = [(name, is_value) for name, is_value, _ in _saved_roles(dtype)]
     assert seen[0] == ("q", False)
     assert ("query", False) in seen and ("k", False) in seen and ("v", True) in seen
     assert seen[-1] == ("output", True)  # the projection's input, a view of the attention's output
     assert all(not is_value for name, is_value in seen if name in ("q", "query", "k", "other"))  # and the logsumexp
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_only_the_query_and_key_of_the_running_call_are_query_or_key(dtype):
+    found = {(name, is_query_or_key) for name, _, is_query_or_key in _saved_roles(dtype)}
+    assert ("query", True) in found and ("k", True) in found
+    # q before the call (sin saves it), v, the output, the logsumexp ("other"): not
+    assert {name for name, is_query_or_key in found if not is_query_or_key} == {"q", "v", "output", "other"}
+
+
 def test_nothing_is_a_value_outside_an_sdpa_call():
     roles = AttentionRoles()
     with roles:
-        assert not roles.is_value(torch.ones(4))
+        assert not roles.is_value(torch.ones(4)) and not roles.is_query_or_key(torch.ones(4))
 
 
 def _attention_stored_bytes(implementation: str, config: ActivationsConfig) -> int:
@@ -62,8 +72,8 @@ def _attention_stored_bytes(implementation: str, config: ActivationsConfig) -> i
     return packer.accounting.by_kind()["attention"].after
 
 
-def test_values_are_found_under_sdpa_and_eager_attention_keeps_them_at_the_attention_width():
-    """Without an SDPA call the roles cannot be told apart: the whole attention stays at attention_bits."""
+def test_values_are_found_under_sdpa_and_eager_attention_keeps_them_exact():
+    """Without an SDPA call the roles cannot be told apart: the whole attention stays exact."""
     exact_values = ActivationsConfig(enabled=True, attention_value_bits=16)
     default = ActivationsConfig(enabled=True)
     assert _attention_stored_bytes("sdpa", default) < 0.8 * _attention_stored_bytes("sdpa", exact_values)

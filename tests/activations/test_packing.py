@@ -77,6 +77,13 @@ def packed_bytes(numel: int, bits: int, keep_outliers: bool) -> int:
     return codes + (4 + (5 if keep_outliers else 0)) * math.ceil(numel / BLOCK)
 
 
+def channel_packed_bytes(numel: int, bits: int) -> int:
+    """Bytes of an fp32 q or k of `numel` elements stored by channel (lazyzero/activations/by_channel.py):
+    SEQ tokens padded to whole blocks, and per block an fp32 scale and an fp32 centre."""
+    padded = numel // SEQ * (-(-SEQ // BLOCK) * BLOCK)
+    return padded * bits // 8 + padded // BLOCK * 8
+
+
 def expected_bytes(config: ActivationsConfig) -> dict:
     """(bytes before, bytes after, tensors) per kind for one Llama layer, counted by hand.
 
@@ -92,15 +99,16 @@ def expected_bytes(config: ActivationsConfig) -> dict:
     quantized MLP does not keep the SiLU output and its product is a recipe (counted, 0 bytes after),
     and so is the input of the MLP or attention (the norm's output) where they store it no wider than
     the norm. Attention stores its input at the norm's width (or `attention_input_bits`), v and its
-    output at `attention_value_bits` (or the MLP's width, where wider), the rest of its tensors at
-    `attention_bits`.
+    output at `attention_value_bits` (or the MLP's width, where wider), q and k at `attention_bits` (or the
+    MLP's width, where wider) in blocks along tokens padded to whole blocks (`channel_packed_bytes`), the
+    rest of its tensors exact.
     """
     tokens = BATCH * SEQ
-    bits = {"norm": max(config.default_bits, config.norm_bits), "mlp": config.default_bits,
-            "attention": config.attention_bits}
+    bits = {"norm": max(config.default_bits, config.norm_bits), "mlp": config.default_bits, "attention": 16}
     attention_input = config.attention_input_bits or bits["norm"]
     input_bits = {"mlp": bits["mlp"], "attention": min(attention_input, bits["attention"])}
     value_bits = min(bits["attention"], max(bits["mlp"], config.attention_value_bits))
+    query_key_bits = max(bits["mlp"], config.attention_bits)
     norm_rewritten = config.recompute_elementwise and bits["norm"] < 16
     mlp_rewritten = config.recompute_elementwise and bits["mlp"] < 16
     numels = {
@@ -117,9 +125,12 @@ def expected_bytes(config: ActivationsConfig) -> dict:
     for kind, sizes in numels.items():
         before = sum(4 * n for n in sizes)  # fp32
         widths = [input_bits[kind] if i == 0 and kind in input_bits else bits[kind] for i in range(len(sizes))]
+        by_channel = set()
         if kind == "attention":
-            widths[5:7] = [value_bits] * 2  # v and the output
+            widths[3:7] = [query_key_bits] * 2 + [value_bits] * 2  # q and k, v and the output
+            by_channel = {3, 4} if query_key_bits < 16 else set()
         after = sum(0 if i in recipes.get(kind, ()) else 4 * n if width == 16
+                    else channel_packed_bytes(n, width) if i in by_channel
                     else packed_bytes(n, width, config.keep_outliers)
                     for i, (n, width) in enumerate(zip(sizes, widths)))
         expected[kind] = (before, after, len(sizes))
@@ -350,8 +361,9 @@ def _host_reads_in_forward(config: ActivationsConfig | None) -> int:
 def test_the_default_policy_reads_nothing_back_to_the_host():
     """A read per stored tensor (the look for blocks that are not finite) makes a GPU's host wait for
     every queued kernel; it more than doubled an H200's step (docs/activations.md). Under the default
-    policy nothing quantized is looked at: q, k and the logsumexp, where infinities can be, stay at 16
-    bits. With attention at 8 bits they are looked at, which shows that `HostReads` sees such reads."""
+    policy nothing quantized is looked at: the logsumexp, where infinities can be, stays exact (q and k
+    are finite in a finite forward). With the whole attention at 8 bits (an override) its tensors are
+    looked at, which shows that `HostReads` sees such reads."""
     plain = _host_reads_in_forward(None)
     assert _host_reads_in_forward(ActivationsConfig()) == plain
-    assert _host_reads_in_forward(ActivationsConfig(attention_bits=8)) > plain
+    assert _host_reads_in_forward(ActivationsConfig(overrides={"*.self_attn": 8})) > plain

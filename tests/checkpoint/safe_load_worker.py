@@ -2,6 +2,9 @@
 scale), with and without the optimizer offloaded to the CPU: one folder per layout in OUT
 (tests/checkpoint/test_safe_load.py).
 
+DeepSpeed's CPU accelerator trains fp16 only where oneDNN supports it (AVX512-FP16 or AMX-FP16 CPUs);
+elsewhere the fp16 layout is skipped and named in OUT/skipped.txt.
+
 Usage (under the deepspeed launcher, 1 rank): safe_load_worker.py OUT
 """
 
@@ -9,6 +12,7 @@ from pathlib import Path
 
 import deepspeed
 import torch
+from deepspeed.accelerator import get_accelerator
 
 from lazyzero.testing import destroy_engine, worker_args
 
@@ -42,8 +46,13 @@ def save(out: Path, name: str, stage: int, precision: str, offload: bool) -> Non
 
 def main() -> None:
     out = Path(worker_args()[0])
+    skipped = []
     for name, layout in LAYOUTS.items():
+        if layout[1] == "fp16" and not get_accelerator().is_fp16_supported():
+            skipped.append(name)
+            continue
         save(out, name, *layout)
+    (out / "skipped.txt").write_text("".join(f"{name}\n" for name in skipped))
 
 
 if __name__ == "__main__":

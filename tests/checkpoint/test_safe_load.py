@@ -84,13 +84,17 @@ def test_every_file_plain_deepspeed_saves_needs_only_allowlisted_types(deepspeed
     allowed = {f"{t.__module__}.{t.__qualname__}" for t in allowed_types()}
     files = sorted(deepspeed_checkpoints.rglob("*.pt"))
     layouts = {path.relative_to(deepspeed_checkpoints).parts[0] for path in files}
-    assert len(layouts) == 7 and len(files) >= 11  # stage 0 keeps the optimizer in its model file
+    skipped = (deepspeed_checkpoints / "skipped.txt").read_text().split()  # fp16 where the CPU lacks it
+    assert len(layouts) == 7 - len(skipped) and len(files) >= 11 - 2 * len(skipped)  # stage 0: one file
     needed = set()
     for path in files:
         needed.update(torch.serialization.get_unsafe_globals_in_checkpoint(path))
         load_checkpoint_file(path, "cpu")
     assert needed <= allowed, needed - allowed
-    # The allowlist holds nothing DeepSpeed does not need (each entry is seen in some layout).
+    # The allowlist holds nothing DeepSpeed does not need (each entry is seen in some layout; the
+    # dynamic loss scaler only in the fp16 one).
+    if skipped:
+        allowed.discard("deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler")
     assert needed == allowed, allowed - needed
 
 

@@ -1,5 +1,7 @@
 """Which width each module's saved activations get (lazyzero/activations/policy.py, stages.py)."""
 
+import functools
+
 import pytest
 import torch
 
@@ -107,10 +109,16 @@ def test_rules_apply_in_order_recompute_override_attention_planner_default():
     assert norms_at_8.bits_for("model.layers.1.mlp", "mlp", 1) == 4  # only norms
 
 
-def input_widths(config: ActivationsConfig, layer_bits: dict | None = None) -> dict:
+def attention_widths(field: str, config: ActivationsConfig, layer_bits: dict | None = None) -> dict:
+    """Each decoder layer's attention `field` (a `ModuleBits` width) under `config` and planned `layer_bits`."""
     policy = ActivationPolicy(config).with_layer_bits(layer_bits or {})
     plan = policy.plan(build_model("tiny", "llama", meta=True))
-    return {entry.layer: entry.input_bits for entry in plan if entry.kind == "attention"}
+    return {entry.layer: getattr(entry, field) for entry in plan if entry.kind == "attention"}
+
+
+input_widths = functools.partial(attention_widths, "input_bits")
+query_key_widths = functools.partial(attention_widths, "query_key_bits")
+value_widths = functools.partial(attention_widths, "value_bits")
 
 
 def test_attention_stores_its_input_like_the_norm_before_it():
@@ -125,12 +133,6 @@ def test_attention_stores_its_input_like_the_norm_before_it():
     assert input_widths(ActivationsConfig(attention_bits=8, norm_bits=4, default_bits=4)) == {0: 4, 1: 4}
 
 
-def query_key_widths(config: ActivationsConfig, layer_bits: dict | None = None) -> dict:
-    policy = ActivationPolicy(config).with_layer_bits(layer_bits or {})
-    plan = policy.plan(build_model("tiny", "llama", meta=True))
-    return {entry.layer: entry.query_key_bits for entry in plan if entry.kind == "attention"}
-
-
 def test_query_and_key_keep_attention_bits_unless_their_layer_is_kept_whole():
     assert query_key_widths(ActivationsConfig()) == {0: 8, 1: 8}
     assert query_key_widths(ActivationsConfig(default_bits=4)) == {0: 8, 1: 8}  # never below attention_bits
@@ -138,12 +140,6 @@ def test_query_and_key_keep_attention_bits_unless_their_layer_is_kept_whole():
     assert query_key_widths(ActivationsConfig(), {0: 16}) == {0: None, 1: 8}  # a 16-bit planned layer
     assert query_key_widths(ActivationsConfig(recompute_layers=[1])) == {0: 8, 1: None}
     assert query_key_widths(ActivationsConfig(overrides={"*.self_attn": 8})) == {0: None, 1: None}  # the override's
-
-
-def value_widths(config: ActivationsConfig, layer_bits: dict | None = None) -> dict:
-    policy = ActivationPolicy(config).with_layer_bits(layer_bits or {})
-    plan = policy.plan(build_model("tiny", "llama", meta=True))
-    return {entry.layer: entry.value_bits for entry in plan if entry.kind == "attention"}
 
 
 def test_attention_values_take_their_own_width_where_the_layer_is_quantized():

@@ -315,7 +315,9 @@ class ActivationPacker:
         before = root.untyped_storage().nbytes()
         layer, kind = (entry.layer, entry.kind) if entry else (None, None)
         if bits != KEEP_BITS and by_channel:
-            return self._store_by_channel(root, bits, layer, kind)
+            form = self._store_by_channel(root, bits, layer, kind)
+            if form is not None:
+                return form, False
         packed = None if bits == KEEP_BITS else self._quantize(root, bits, check_finite)
         if packed is None:
             form = self.offloader.offload_kept(root, layer) if self.offloader is not None else None
@@ -326,22 +328,22 @@ class ActivationPacker:
         self.accounting.record(layer, kind, before, after, offloaded=after if offloaded is not None else 0)
         return (packed if offloaded is None else offloaded), False
 
-    def _store_by_channel(self, root: torch.Tensor, bits: int, layer: int | None, kind) -> tuple[object, bool]:
-        """`_store` of an attention call's query or key: in centred blocks along tokens
-        (lazyzero/activations/by_channel.py), or in blocks along the storage where its layout is not
-        tokens by channels."""
+    def _store_by_channel(self, root: torch.Tensor, bits: int, layer: int | None, kind) -> ChannelBlocked | None:
+        """`_store` of an attention call's query or key in centred blocks along tokens
+        (lazyzero/activations/by_channel.py): its form, or None where its layout is not tokens by
+        channels (then `_store` packs it in blocks along the storage)."""
         config = self.policy.config
         self._seed += 1
         form = quantize_by_channel(root.detach(), bits, config.block_size, config.stochastic_rounding, self._seed)
         if form is None:
-            return self._store(root, bits, ModuleBits("", kind, layer, bits), check_finite=False)
+            return None
         after, codes_bytes = form.nbytes, form.codes.nbytes
         offloaded = self.offloader.offload_packed(form.codes, layer) if self.offloader is not None else None
         if offloaded is not None:
             form = dataclasses.replace(form, codes=offloaded)
         self.accounting.record(layer, kind, root.untyped_storage().nbytes(), after,
                                offloaded=codes_bytes if offloaded is not None else 0)
-        return form, False
+        return form
 
     def _quantize(self, root: torch.Tensor, bits: int, check_finite: bool) -> BlockQuantized | None:
         """`root`'s whole storage block-quantized at `bits`, or None where it must stay exact (a block

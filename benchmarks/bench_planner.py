@@ -43,6 +43,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import statistics
 import tempfile
@@ -195,7 +196,8 @@ def larger_than_memory(work: Path, nvme: str) -> tuple[dict, dict]:
                                       profile_path=str(profile_path))
     records = train("larger_than_memory", config, work, LARGER_STEPS, model="1b", seq_len=LARGER_SEQ_LEN)
     report = json.loads((work / "larger_than_memory" / "report.json").read_text())
-    speeds = read_profile(profile_path).machine.bandwidths
+    profile = read_profile(profile_path)
+    speeds = profile.machine.bandwidths
     budget, first = report["compute_budget_per_rank_bytes"], report["plan_checks"][0]
     state = report["parameters"] * MIXED_PRECISION_ADAM_BYTES
     results = {"larger_than_memory_state_over_budget": state / budget,
@@ -209,8 +211,18 @@ def larger_than_memory(work: Path, nvme: str) -> tuple[dict, dict]:
         "plan_layers": report["plan"]["layers"], "step_s": [r["step_time_s"] for r in records],
         "setup_time_s": report.get("setup_time_s"), "wall_time_s": report.get("wall_time_s"),
         "profile_nvme_read_bytes_per_s": speeds["nvme_read"].bytes_per_s,
-        "profile_nvme_write_bytes_per_s": speeds["nvme_write"].bytes_per_s}}
+        "profile_nvme_write_bytes_per_s": speeds["nvme_write"].bytes_per_s,
+        "priced_nvme_bytes_per_s": priced_speeds((work / "larger_than_memory" / "output.txt").read_text()),
+        "calibration_engine_step_s": {f"{run.layers}{' nvme' if run.nvme else ''}": run.step_s
+                                      for run in profile.engine.runs}}}
     return results, details
+
+
+def priced_speeds(printed: str) -> dict[str, float]:
+    """The NVMe speeds the first plan was priced at (the plan table's "copy speeds priced" line: the
+    disk test's, scaled by the NVMe calibration engine, lazyzero/plan/calibrate.py), bytes per second."""
+    line = next(line for line in printed.splitlines() if "copy speeds priced:" in line)
+    return {name: float(value) * 1e9 for name, value in re.findall(r"(nvme_\w+) ([0-9.]+) GB/s", line)}
 
 
 def main() -> None:

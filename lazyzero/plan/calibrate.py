@@ -29,7 +29,7 @@ def engine_calibrated(problem: PlanProblem, profile, process_bytes: int) -> Plan
     `profile.engine` (engines of a few and of more decoder layers). `process_bytes`: the part of the
     problem's workspace that is the process itself, not the engine (the engines ran in processes of
     their own: their memory is compared without it)."""
-    runs = sorted(profile.engine.runs, key=lambda run: run.layers)
+    runs = sorted((run for run in profile.engine.runs if not run.nvme), key=lambda run: run.layers)
     if len(runs) != 2 or runs[0].layers >= runs[1].layers:
         raise ValueError(f"engine calibration: needs engines of two layer counts, the profile has "
                          f"{[run.layers for run in runs]}")
@@ -45,7 +45,50 @@ def engine_calibrated(problem: PlanProblem, profile, process_bytes: int) -> Plan
     per_step_s = small_s - runs[0].layers * per_layer_s
     fixed, per_layer = engine_memory_excess((run.layers, error) for run, (_, error) in zip(runs, errors))
     layers = tuple(_with_overhead(c, per_layer_s, per_step_s, round(per_layer)) for c in problem.layers)
-    return replace(problem, layers=layers, workspace_bytes=max(0, round(problem.workspace_bytes + fixed)))
+    problem = replace(problem, layers=layers, workspace_bytes=max(0, round(problem.workspace_bytes + fixed)))
+    swapped = [run for run in profile.engine.runs if run.nvme]
+    if swapped and "nvme" in problem.machine.tiers:
+        in_memory = next(run for run in runs if run.layers == swapped[0].layers)
+        problem = nvme_calibrated(problem, in_memory.step_s, swapped[0])
+    return problem
+
+
+def nvme_calibrated(problem: PlanProblem, in_memory_step_s: float, swapped) -> PlanProblem:
+    """`problem` (already engine-calibrated) with its NVMe reads and writes priced at one speed: the
+    one at which the NVMe calibration engine (`swapped`: its decoder layers' parameters and optimizer
+    state on NVMe, engine_calibration.py) costs over the in-memory engine of its depth
+    (`in_memory_step_s`) what it measured. One speed for both directions: the disk test's ratio of
+    read to write moved from 0.8 to 2 between runs of the `1b` preset on one machine while the run's
+    step did not (docs/plan.md). An NVMe engine measured no slower than in memory (noise) leaves the
+    disk test's speeds."""
+    cut = _with_nvme_speed(_cut(problem, swapped.layers), UNIT_SPEED)
+    seconds_at_unit_speed = _swapped_prediction(cut) - _in_memory_prediction(cut)[0]
+    measured = swapped.step_s - in_memory_step_s
+    if seconds_at_unit_speed <= 0 or measured <= 0:
+        return problem
+    return _with_nvme_speed(problem, UNIT_SPEED * seconds_at_unit_speed / measured)
+
+
+# Bytes per second at which the NVMe engine's traffic is counted before its measured time scales it.
+UNIT_SPEED = 1e9
+
+
+def _with_nvme_speed(problem: PlanProblem, bytes_per_s: float) -> PlanProblem:
+    paths = {name: replace(path, bytes_per_s=bytes_per_s) if name.startswith("nvme") else path
+             for name, path in problem.machine.paths.items()}
+    return replace(problem, machine=replace(problem.machine, paths=paths))
+
+
+def _swapped_prediction(problem: PlanProblem) -> float:
+    """Predicted step time of the NVMe calibration engine: each decoder layer's fp32 optimizer state
+    on NVMe, and its parameters where the problem allows parameters there; the embeddings and head
+    in memory."""
+    from lazyzero.plan.simulate import evaluate_layers
+
+    param_tier = "nvme" if problem.param_tiers is None or "nvme" in problem.param_tiers else "gpu"
+    layers = [LayerPlan("keep", 16, "gpu", "gpu", "gpu", False) if c.name == EMBED_AND_HEAD
+              else LayerPlan("keep", 16, "gpu", param_tier, "nvme", False) for c in problem.layers]
+    return evaluate_layers(problem, layers, "greedy").predicted_step_s
 
 
 def engine_memory_excess(errors) -> tuple[float, float]:

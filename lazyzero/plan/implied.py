@@ -117,13 +117,18 @@ def _offload(problem: PlanProblem, tiers: list[str], what: str, nvme_path: str |
 def _set_parameter_offload(zero: dict, problem: PlanProblem, plan: Plan, nvme_path: str | None,
                            sizes: ModelSizes | None) -> tuple[str, ...]:
     section, nvme_layers = _offload(problem, [lp.param_tier for lp in plan.layers], "parameters", nvme_path)
-    if section["device"] == "nvme":
-        section["max_in_cpu"] = 0
-        if sizes is not None:
-            section.update(buffer_size=_partition(sizes.largest_tensor_numel, sizes.world_size),
-                           buffer_count=PARAM_SWAP_BUFFERS_PER_TENSOR * sizes.tensors_per_layer)
-    zero["offload_param"] = section
+    zero["offload_param"] = _nvme_param_section(section, sizes) if section["device"] == "nvme" else section
     return nvme_layers
+
+
+def _nvme_param_section(section: dict, sizes: ModelSizes | None) -> dict:
+    """`section` (offload_param to NVMe) with nothing kept in host memory by DeepSpeed (lazyzero places
+    each layer) and, given the sizes, swap buffers for every tensor of the layers in flight."""
+    section = {**section, "max_in_cpu": 0}
+    if sizes is not None:
+        section.update(buffer_size=_partition(sizes.largest_tensor_numel, sizes.world_size),
+                       buffer_count=PARAM_SWAP_BUFFERS_PER_TENSOR * sizes.tensors_per_layer)
+    return section
 
 
 def _set_optimizer_offload(zero: dict, problem: PlanProblem, plan: Plan, nvme_path: str | None) -> tuple[str, ...]:
@@ -148,6 +153,20 @@ def calibration_ds_config(base: dict, sizes: ModelSizes, nvme_path: str | None, 
     zero.update(stage=3, offload_param={"device": "none"}, **_transient_memory_settings(sizes, False))
     zero["offload_optimizer"] = ({**_offload_section("nvme", nvme_path, "optimizer states"),
                                   "buffer_count": OPTIMIZER_SWAP_BUFFERS} if offload_to_nvme else {"device": "none"})
+    return config
+
+
+def nvme_calibration_ds_config(calibration: dict, sizes: ModelSizes, nvme_path: str, parameters: bool) -> dict:
+    """The engine calibration's config (`calibration_ds_config` with its optimizer offloaded to NVMe)
+    swapping in the folder `nvme_path`, with the parameters offloaded there too where `parameters`,
+    set as a plan that puts parameters on NVMe sets them: the config of the calibration engine whose
+    decoder layers are swapped (engine_calibration.py)."""
+    config = copy.deepcopy(calibration)
+    zero = config["zero_optimization"]
+    zero["offload_optimizer"] = {**zero["offload_optimizer"], "nvme_path": nvme_path}
+    if parameters:
+        zero["offload_param"] = _nvme_param_section(_offload_section("nvme", nvme_path, "parameters"), sizes)
+        zero.update(_transient_memory_settings(sizes, True))
     return config
 
 

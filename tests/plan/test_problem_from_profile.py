@@ -386,6 +386,61 @@ def test_the_engine_calibration_moves_the_workspace_by_the_excess_at_the_models_
     assert _peak(problem, on_nvme) == pytest.approx(_peak(plain, on_nvme), abs=10)
 
 
+def _five_layer_profile():
+    profile = made_up_profile()
+    decoder = replace(profile.layers[0], grad_error=GRAD_ERRORS["model.layers.0"])
+    rows = tuple(replace(decoder, name=f"model.layers.{i}", measured_as=f"model.layers.{i}") for i in range(5))
+    return replace(profile, layers=rows + (profile.layer(EMBED_AND_HEAD),))
+
+
+def test_the_nvme_engine_prices_every_nvme_copy_at_the_one_speed_it_measured(tmp_path):
+    from lazyzero.plan.calibrate import _cut, _in_memory_prediction, _swapped_prediction
+    from lazyzero.plan.profile.data import EngineCalibration, EngineRun
+
+    profile = _five_layer_profile()
+    budgets = Budgets(cpu_mem=4 * 10**9, gpu_mem=None, nvme_path=str(tmp_path), local_ranks=2)
+    shape = RankShape(2, "bfloat16", True, True)
+    in_memory_runs = (EngineRun(1, 1.0, 0, 0, 0), EngineRun(3, 2.0, 0, 0, 0))
+    only_memory, _ = problem_from_profile(replace(profile, engine=EngineCalibration(in_memory_runs, {})), budgets,
+                                          shape, process_bytes=0)
+    cut = _cut(only_memory, 3)
+    assert _in_memory_prediction(cut)[0] == pytest.approx(2.0)
+    # The disk test (2 GB/s read, 1 GB/s write) prices the swapped engine's copies at this.
+    disk_test_s = _swapped_prediction(cut) - 2.0
+    assert disk_test_s > 0
+    priced = {}
+    for slower in (2.0, 0.5):
+        swapped = EngineRun(3, 2.0 + slower * disk_test_s, 0, 0, 0, nvme=True)
+        engine = EngineCalibration(in_memory_runs + (swapped,), {})
+        problem, _ = problem_from_profile(replace(profile, engine=engine), budgets, shape, process_bytes=0)
+        # One speed both ways, at which the swapped engine's copies take what they measured.
+        paths = problem.machine.paths
+        assert paths["nvme_read"].bytes_per_s == paths["nvme_write"].bytes_per_s
+        assert _swapped_prediction(_cut(problem, 3)) == pytest.approx(swapped.step_s)
+        assert problem.layers == only_memory.layers and problem.workspace_bytes == only_memory.workspace_bytes
+        priced[slower] = paths["nvme_read"].bytes_per_s
+    assert priced[0.5] == pytest.approx(4 * priced[2.0])
+    assert 1e9 < priced[0.5] and priced[2.0] < 1e9
+
+
+def test_an_nvme_engine_no_slower_than_memory_or_a_run_without_nvme_keeps_the_disk_test(tmp_path):
+    from lazyzero.plan.profile.data import EngineCalibration, EngineRun
+
+    profile = _five_layer_profile()
+    shape = RankShape(2, "bfloat16", True, True)
+    in_memory_runs = (EngineRun(1, 1.0, 0, 0, 0), EngineRun(3, 2.0, 0, 0, 0))
+    with_nvme = Budgets(cpu_mem=4 * 10**9, gpu_mem=None, nvme_path=str(tmp_path), local_ranks=2)
+    disk_test, _ = problem_from_profile(replace(profile, engine=EngineCalibration(in_memory_runs, {})), with_nvme,
+                                        shape, process_bytes=0)
+    noise = EngineCalibration(in_memory_runs + (EngineRun(3, 1.9, 0, 0, 0, nvme=True),), {})
+    problem, _ = problem_from_profile(replace(profile, engine=noise), with_nvme, shape, process_bytes=0)
+    assert problem.machine.paths == disk_test.machine.paths
+    without_nvme = replace(with_nvme, nvme_path=None)
+    slow = EngineCalibration(in_memory_runs + (EngineRun(3, 50.0, 0, 0, 0, nvme=True),), {})
+    problem, _ = problem_from_profile(replace(profile, engine=slow), without_nvme, shape, process_bytes=0)
+    assert "nvme" not in problem.machine.tiers
+
+
 def _peak(problem, layers) -> float:
     """The simulated compute-memory peak of `layers`, on the problem's machine with an NVMe tier added."""
     from lazyzero.plan.problem import Path, Tier

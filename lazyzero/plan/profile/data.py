@@ -17,7 +17,9 @@ from dataclasses import asdict, dataclass
 PROFILE_KIND = "lazyzero.profile"
 # 5: each engine calibration depth measured in a fresh process (version 4 ran both in one, whose
 # second engine reused the first one's freed memory and looked smaller than it is).
-PROFILE_VERSION = 5
+# 6: the engine calibration has an engine with its decoder layers swapped to NVMe where the run may
+# swap there (a version-5 profile priced NVMe at the disk test alone).
+PROFILE_VERSION = 6
 DECODER = "decoder"
 EMBED_AND_HEAD_KIND = "embed_and_head"
 
@@ -172,13 +174,15 @@ class EngineRun:
     """A real DeepSpeed engine of the model cut to `layers` decoder layers (profile_engine.py):
     median `step_s` over the timed steps, the process's peak resident set over them, its resident
     set before the engine was built, and the bytes of the model's parameters it was given (in
-    `before_bytes`; ZeRO-3 frees them as it partitions)."""
+    `before_bytes`; ZeRO-3 frees them as it partitions). `nvme`: its decoder layers' parameters and
+    optimizer state were on NVMe (else every tensor was in memory)."""
 
     layers: int
     step_s: float
     peak_bytes: int
     before_bytes: int
     model_bytes: int
+    nvme: bool = False
 
 
 @dataclass(frozen=True)

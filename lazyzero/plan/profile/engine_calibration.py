@@ -10,6 +10,14 @@ way that includes them: real engines of the same model cut to 1 and to 3 decoder
 the run's ZeRO settings (everything in memory), a few steps each. `calibrate.engine_calibrated`
 turns the difference between the two into a per-layer overhead and the rest into a per-step one.
 
+Where the run may swap to NVMe (its optimizer is offloaded there), a third engine, of 3 decoder layers,
+has every decoder layer's parameters and optimizer state on NVMe, as a plan that puts layers there
+runs them. A plan's NVMe time is DeepSpeed's swappers reading one layer's parameters at a time,
+synchronously, while training; the profile's disk test (one large file, nothing else running) moved
+over 4x between runs of the `1b` preset while that preset's step did not (docs/plan.md). So the time
+the NVMe engine adds over the in-memory engine of its depth is what the plan's NVMe traffic is
+priced at (`calibrate.nvme_calibrated`).
+
 Each engine runs in a fresh child process per rank, with a process group of its own: a DeepSpeed
 engine does not give its memory back when destroyed (330 MB per pair of 1- and 2-layer engines here,
 three pairs in a row measured), so the planned run must not start with that garbage in its budget,
@@ -24,12 +32,13 @@ from __future__ import annotations
 import copy
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import torch
@@ -39,6 +48,11 @@ from lazyzero.plan.profile.data import EngineCalibration, EngineRun
 
 # Two depths a few layers apart: the slope between them is DeepSpeed's cost per layer.
 CALIBRATION_LAYERS = (1, 3)
+NVME_CALIBRATION_LAYERS = CALIBRATION_LAYERS[-1]
+# The NVMe engine times this many times the steps of the others: a disk's speed wanders from step to
+# step more than compute does (the `1b` preset's 3-layer NVMe engine: 2.7 and 3.7 s over memory in
+# two profiles 8 minutes apart, median of 5 steps each).
+NVME_STEPS_FACTOR = 2
 WARMUP_STEPS = 1
 CHILD_TIMEOUT_S = 1800
 
@@ -48,27 +62,35 @@ def calibrate_engine(model: nn.Module, config: dict, batch: dict, steps: int) ->
     layers, under DeepSpeed `config`, each in fresh processes (every rank calls this together; `batch`
     is one micro-batch)."""
     rank, world = _world()
+    depths = [(layers, False) for layers in CALIBRATION_LAYERS]
+    if swaps_to_nvme(config):
+        depths.append((NVME_CALIBRATION_LAYERS, True))
     with tempfile.TemporaryDirectory(prefix="lazyzero-calibration-") as folder:
         model.config.save_pretrained(folder)
         request = {"config_dir": folder, "ds_config": config, "dtype": str(_dtype(model)).removeprefix("torch."),
                    "attn_implementation": getattr(model.config, "_attn_implementation", None),
                    "batch": {key: value.tolist() for key, value in batch.items()}, "steps": steps,
                    "rank": rank, "world_size": world, "threads": torch.get_num_threads()}
-        runs = tuple(_run_in_child(request, layers, Path(folder)) for layers in CALIBRATION_LAYERS)
+        runs = tuple(_run_in_child(request, layers, Path(folder), nvme) for layers, nvme in depths)
     return EngineCalibration(runs=runs, config=config)
 
 
-def _run_in_child(request: dict, layers: int, folder: Path) -> EngineRun:
-    """The engine of `layers` decoder layers, run by this rank's fresh child process."""
-    rank = request["rank"]
-    request_path, result_path = folder / f"request{rank}-{layers}.json", folder / f"result{rank}-{layers}.json"
-    request = {**request, "layers": layers, "port": _shared_port(), "result_path": str(result_path)}
+def swaps_to_nvme(config: dict) -> bool:
+    """Whether a run under this calibration config may swap to NVMe (its optimizer is offloaded there)."""
+    return config.get("zero_optimization", {}).get("offload_optimizer", {}).get("device") == "nvme"
+
+
+def _run_in_child(request: dict, layers: int, folder: Path, nvme: bool) -> EngineRun:
+    """The engine of `layers` decoder layers (with `nvme`, swapped), run by this rank's fresh child process."""
+    rank, name = request["rank"], f"{layers}{'-nvme' if nvme else ''}"
+    request_path, result_path = folder / f"request{rank}-{name}.json", folder / f"result{rank}-{name}.json"
+    request = {**request, "layers": layers, "nvme": nvme, "port": _shared_port(), "result_path": str(result_path)}
     request_path.write_text(json.dumps(request))
     child = subprocess.run([sys.executable, "-m", "lazyzero.plan.profile.engine_calibration", str(request_path)],
                            env=_child_env(request), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                            timeout=CHILD_TIMEOUT_S)
     if child.returncode != 0 or not result_path.is_file():
-        raise RuntimeError(f"lazyzero profile: the engine calibration ({layers} decoder layers) failed on rank "
+        raise RuntimeError(f"lazyzero profile: the engine calibration ({name} decoder layers) failed on rank "
                            f"{rank} (exit {child.returncode}):\n{child.stdout[-3000:]}")
     return EngineRun(**json.loads(result_path.read_text()))
 
@@ -111,17 +133,36 @@ def _truncated(config_dir: str, layers: int, dtype: torch.dtype, attn_implementa
         return AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn_implementation)
 
 
-def _run(model: nn.Module, config: dict, batch: dict, steps: int, layers: int) -> dict:
+def _placement(model: nn.Module, config: dict, nvme: bool):
+    """As a planned run places them: with `nvme` every decoder layer's parameters and optimizer
+    state on NVMe (the embeddings and head in memory), else, with the optimizer offloaded to NVMe,
+    every layer kept in memory; None where nothing is offloaded."""
+    from lazyzero.plan.profile.layers import decoder_layers
+    from lazyzero.plan.zero_placement import ZeroPlacement
+
+    if nvme:
+        layers = list(decoder_layers(model))
+        return ZeroPlacement.from_modules([name for name, _ in model.named_parameters()], layers,
+                                          layers if parameters_swappable(model) else None)
+    return ZeroPlacement() if swaps_to_nvme(config) else None
+
+
+def parameters_swappable(model: nn.Module) -> bool:
+    """Whether a planned run may put this model's parameters on NVMe: not fp32 ones on a machine
+    without a GPU, where DeepSpeed 0.19.8's NVMe parameter swapper fails (problem.PlanProblem.param_tiers)."""
+    return torch.cuda.is_available() or _dtype(model) != torch.float32
+
+
+def _run(model: nn.Module, config: dict, batch: dict, steps: int, layers: int, nvme: bool = False) -> dict:
     import deepspeed
 
     from lazyzero.plan.host_memory import peak_resident_bytes, reset_peak_resident, resident_bytes
-    from lazyzero.plan.zero_placement import ZeroPlacement, zero_placement
+    from lazyzero.plan.zero_placement import zero_placement
 
     before = resident_bytes()
     model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    offload = config.get("zero_optimization", {}).get("offload_optimizer", {}).get("device") == "nvme"
-    # As a planned run does: optimizer offload to NVMe with every layer kept in memory.
-    with zero_placement(ZeroPlacement()) if offload else nullcontext():
+    placement = _placement(model, config, nvme)
+    with zero_placement(placement) if placement is not None else nullcontext():
         engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
     ends = []
     for step in range(WARMUP_STEPS + steps):
@@ -136,7 +177,7 @@ def _run(model: nn.Module, config: dict, batch: dict, steps: int, layers: int) -
     torch.distributed.barrier()
     engine.destroy()
     return {"layers": layers, "step_s": statistics.median(durations), "peak_bytes": peak, "before_bytes": before,
-            "model_bytes": model_bytes}
+            "model_bytes": model_bytes, "nvme": nvme}
 
 
 def _child(request_path: str) -> None:
@@ -161,9 +202,33 @@ def _child(request_path: str) -> None:
     batch = {key: torch.tensor(value, device=device) for key, value in request["batch"].items()}
     layers = request["layers"]
     model = _truncated(request["config_dir"], layers, dtype, request["attn_implementation"])
-    run = _run(model, request["ds_config"], batch, request["steps"], layers)
+    with _swap_folder(request) as folder:
+        config = request["ds_config"]
+        if folder is not None:
+            from lazyzero.plan.engine_setup import model_sizes_of
+            from lazyzero.plan.implied import nvme_calibration_ds_config
+
+            config = nvme_calibration_ds_config(config, model_sizes_of(model, request["world_size"]), str(folder),
+                                                parameters=parameters_swappable(model))
+        steps = request["steps"] * (NVME_STEPS_FACTOR if request["nvme"] else 1)
+        run = _run(model, config, batch, steps, layers, request["nvme"])
     Path(request["result_path"]).write_text(json.dumps(run))
     torch.distributed.destroy_process_group()
+
+
+@contextmanager
+def _swap_folder(request: dict):
+    """For the NVMe engine, a folder of this rank's own in the run's NVMe folder, removed afterwards:
+    DeepSpeed never removes its swap files, and the run's own would be named alike."""
+    if not request["nvme"]:
+        yield None
+        return
+    nvme_path = request["ds_config"]["zero_optimization"]["offload_optimizer"]["nvme_path"]
+    folder = Path(tempfile.mkdtemp(prefix=f"lazyzero-calibration-rank{request['rank']}-", dir=nvme_path))
+    try:
+        yield folder
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 if __name__ == "__main__":

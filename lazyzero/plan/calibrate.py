@@ -58,7 +58,7 @@ def nvme_calibrated(problem: PlanProblem, in_memory_step_s: float, swapped) -> P
     one at which the NVMe calibration engine (`swapped`: its decoder layers' parameters and optimizer
     state on NVMe, engine_calibration.py) costs over the in-memory engine of its depth
     (`in_memory_step_s`) what it measured. One speed for both directions: the disk test's ratio of
-    read to write moved from 0.8 to 2 between runs of the `1b` preset on one machine while the run's
+    read to write moved from 0.6 to 2 between runs of the `1b` preset on one machine while the run's
     step did not (docs/plan.md). An NVMe engine measured no slower than in memory (noise) leaves the
     disk test's speeds."""
     cut = _with_nvme_speed(_cut(problem, swapped.layers), UNIT_SPEED)

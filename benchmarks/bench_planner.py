@@ -219,8 +219,8 @@ def larger_than_memory(work: Path, nvme: str) -> tuple[dict, dict]:
 
 
 def priced_speeds(printed: str) -> dict[str, float]:
-    """The NVMe speeds the first plan was priced at (the plan table's "copy speeds priced" line: the
-    disk test's, scaled by the NVMe calibration engine, lazyzero/plan/calibrate.py), bytes per second."""
+    """The NVMe speeds the first plan was priced at (the plan table's "copy speeds priced" line: the one
+    speed the NVMe calibration engine measured, lazyzero/plan/calibrate.py), bytes per second."""
     line = next(line for line in printed.splitlines() if "copy speeds priced:" in line)
     return {name: float(value) * 1e9 for name, value in re.findall(r"(nvme_\w+) ([0-9.]+) GB/s", line)}
 

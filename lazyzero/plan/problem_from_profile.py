@@ -110,11 +110,16 @@ def problem_from_profile(profile: ModelProfile, budgets: Budgets, shape: RankSha
 
 
 def _parameter_tiers(machine: Machine, shape: RankShape) -> tuple[str, ...] | None:
-    """DeepSpeed 0.19.8 cannot swap fp32 parameters to NVMe on its CPU accelerator (it builds the
-    swapper for bf16: "Float and BFloat16", docs/deepspeed-internals.md), so an fp32 model there keeps them."""
-    if "nvme" in machine.tiers and not machine.has_host and shape.dtype == "float32":
+    if "nvme" in machine.tiers and not nvme_swaps_parameters(shape.dtype, on_gpu=machine.has_host):
         return tuple(t for t in machine.tiers if t != "nvme")
     return None
+
+
+def nvme_swaps_parameters(dtype: str, on_gpu: bool) -> bool:
+    """Whether DeepSpeed 0.19.8 can swap parameters of `dtype` ("float32", "bfloat16", ...) to NVMe: not
+    fp32 ones on its CPU accelerator (it builds the swapper for bf16: "Float and BFloat16",
+    docs/deepspeed-internals.md), so an fp32 model there keeps them in memory."""
+    return on_gpu or dtype != "float32"
 
 
 def _swapper_bytes(profile: ModelProfile, shape: RankShape) -> dict[str, int]:

@@ -148,9 +148,10 @@ def _placement(model: nn.Module, config: dict, nvme: bool):
 
 
 def parameters_swappable(model: nn.Module) -> bool:
-    """Whether a planned run may put this model's parameters on NVMe: not fp32 ones on a machine
-    without a GPU, where DeepSpeed 0.19.8's NVMe parameter swapper fails (problem.PlanProblem.param_tiers)."""
-    return torch.cuda.is_available() or _dtype(model) != torch.float32
+    """Whether a planned run may put this model's parameters on NVMe (the planner's own rule)."""
+    from lazyzero.plan.problem_from_profile import nvme_swaps_parameters
+
+    return nvme_swaps_parameters(str(_dtype(model)).removeprefix("torch."), on_gpu=torch.cuda.is_available())
 
 
 def _run(model: nn.Module, config: dict, batch: dict, steps: int, layers: int, nvme: bool = False) -> dict:

@@ -15,11 +15,16 @@
      recomputed), plain DeepSpeed settings and no lazyzero feature.
    The baselines' configs are what `lazyzero.plan.implied` makes of `fixed_rule_plan` and
    `deepspeed_default_plan` for the planned run's own problem (same profile, same budget).
-Keys: `pred_error_step_time` and `pred_error_peak_mem` (|measured / predicted - 1| of the first plan,
-before any measurement of this run; `*_replanned` the same for the plan in force at the last
-comparison), `speedup_vs_fixed_rule` and `speedup_vs_deepspeed_default` (baseline median step time
-over the plan's, steps after the warm-up and the re-planning), and each run's peak resident set
-(whole process lifetime, profiling included) over the budget.
+   The three are trained in ROUNDS rounds (2 with --quick), each round in another order, so that a
+   slow spell of the machine or its disk (20-30% drift within minutes here) falls on every config
+   rather than on one. Every run swaps into an NVMe folder of its own, emptied and synced to disk
+   after it, so that no run pays for the previous run's writes.
+Keys: `pred_error_step_time` and `pred_error_peak_mem` (|measured / predicted - 1| of the first
+round's first plan, before any measurement of that run; `*_replanned` the same for the plan in force
+at its last comparison), `speedup_vs_fixed_rule` and `speedup_vs_deepspeed_default` (the baseline's
+median step time over the plan's, each median over the timed steps of every round: steps after the
+warm-up and, for the plan, after the re-planning; the details give each round's ratios), and each
+run's peak resident set (whole process lifetime, profiling included) over the budget.
 3. `profile_peak_rss_over_model_bytes`: the same architecture, PROFILE_LAYERS deep, built partitioned
    across the 2 ranks as it is created (`build_model(zero_init_config=...)`) and profiled as a planned
    run profiles (`planner_profile_worker.py`): the largest rise of a rank's resident set while
@@ -29,9 +34,10 @@ over the plan's, steps after the warm-up and the re-planning), and each run's pe
    optimizer and copy tests, libraries loaded on first use) exceeds the 8-layer model's 0.2 GB, so
    the figure is taken on a model deep enough for the model to be what is measured; the details keep
    each phase's rise. `--profile-only` measures just this.
-4. A run larger than memory: the `1b` preset (1.1B parameters, built partitioned by `lazyzero train`)
-   through the planner under `ds_configs/cpu_1b_planned.json` (a budget 5% of the way from the least
-   that admits a plan to the all-in-memory peak, NVMe at `--nvme`). Keys:
+4. A run larger than memory, after the compared runs (its NVMe traffic then precedes none of them):
+   the `1b` preset (1.1B parameters, built partitioned by `lazyzero train`) through the planner under
+   `ds_configs/cpu_1b_planned.json` (a budget 5% of the way from the least that admits a plan to the
+   all-in-memory peak, NVMe at `--nvme`). Keys:
    `larger_than_memory_state_over_budget` (the run's whole training state, counted as mixed-precision
    Adam's 16 bytes per parameter, over the per-rank budget; the details also give each rank's share
    over its budget, `state_per_rank_over_budget`), `larger_than_memory_pred_error_step_time` and
@@ -66,6 +72,9 @@ HEADROOM_SHARE = 0.4
 # Depth of the model profiled partitioned (item 3 above): 0.84 GB of bf16 parameters.
 PROFILE_LAYERS = 32
 WARMUP_STEPS = 2
+# Rounds of the three compared runs (item 2 above); each round starts the order one config later.
+ROUNDS, QUICK_ROUNDS = 3, 2
+COMPARED = ("planned", "deepspeed_default", "fixed_rule")
 # A planned run compares after steps 2-4 and may plan again; its steps from here on are timed.
 PLANNED_STEADY_FROM = 9
 # The larger-than-memory run: the `1b` preset (1.1B parameters) on RANKS ranks, a few steps of short
@@ -131,12 +140,9 @@ def train(name: str, config: dict, work: Path, steps: int, model: str | None = N
     return [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
 
 
-def median_step_s(records: list[dict], first: int = WARMUP_STEPS) -> float:
-    return statistics.median(r["step_time_s"] for r in records[first:])
-
-
-def baseline_configs(work: Path, nvme: str) -> dict[str, dict]:
-    """The fixed rule's and DeepSpeed default's configs for the planned run's own problem."""
+def baseline_configs(work: Path, nvme: Path) -> dict[str, dict]:
+    """The fixed rule's and DeepSpeed default's configs for the planned run's own problem, each swapping
+    into `nvme`/<its name>."""
     from lazyzero.config import PlanConfig
     from lazyzero.plan import deepspeed_default_plan, fixed_rule_plan
     from lazyzero.plan.implied import implied_setup
@@ -144,15 +150,58 @@ def baseline_configs(work: Path, nvme: str) -> dict[str, dict]:
     from lazyzero.plan.profile.profiler import read_profile
     from lazyzero.plan.report import FIXED_RULE_K
 
-    planned = planned_config(nvme, work)
+    planned = planned_config(str(nvme / "planned"), work)
     settings = PlanConfig(**planned["lazyzero"]["plan"])
     problem, sizes = problem_for_config(read_profile(work / "profile.json"), planned, settings, RANKS, RANKS)
     configs = {}
     for name, plan in (("fixed_rule", fixed_rule_plan(problem, FIXED_RULE_K)),
                        ("deepspeed_default", deepspeed_default_plan(problem))):
-        configs[name] = implied_setup(problem, plan, base=base_config(nvme, work), nvme_path=nvme,
+        folder = str(nvme / name)
+        configs[name] = implied_setup(problem, plan, base=base_config(folder, work), nvme_path=folder,
                                       sizes=sizes).ds_config
     return configs
+
+
+def compare_in_rounds(work: Path, nvme: Path, steps: int, rounds: int) -> list[dict[str, list[dict]]]:
+    """Each round's step records of the planned run and its two baselines (item 2 above). Round 1
+    starts with the planned run, whose profile the baselines' configs are made from; each later round
+    starts one config later. A run's NVMe folder is emptied and synced after it."""
+    configs: dict[str, dict] = {}
+    done = []
+    for index in range(rounds):
+        order = COMPARED[index % len(COMPARED):] + COMPARED[:index % len(COMPARED)]
+        records = {}
+        for name in order:
+            if name == "planned":
+                config = planned_config(str(nvme / name), work)
+            else:
+                configs = configs or baseline_configs(work, nvme)
+                config = configs[name]
+            (nvme / name).mkdir(parents=True, exist_ok=True)
+            records[name] = train(f"round{index + 1}/{name}", config, work, steps)
+            emptied(nvme / name)
+        done.append(records)
+    return done
+
+
+def emptied(folder: Path) -> None:
+    """Remove what a run swapped into `folder` (DeepSpeed leaves its swap files) and wait for the disk:
+    a file deleted before its pages are written costs no writes, and the next run starts on a quiet
+    disk."""
+    for entry in folder.iterdir():
+        shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
+    os.sync()
+
+
+def compared_step_s(rounds: list[dict[str, list[dict]]]) -> tuple[dict[str, float], list[dict[str, float]]]:
+    """(each config's median step time over the timed steps of every round, each round's medians)."""
+    def timed(name: str, records: list[dict]) -> list[float]:
+        first = PLANNED_STEADY_FROM if name == "planned" else WARMUP_STEPS
+        return [r["step_time_s"] for r in records[first:]]
+
+    per_round = [{name: statistics.median(timed(name, records)) for name, records in done.items()} for done in rounds]
+    pooled = {name: statistics.median([s for done in rounds for s in timed(name, done[name])]) for name in COMPARED}
+    return pooled, per_round
 
 
 def solve_80_layers() -> dict:
@@ -183,18 +232,21 @@ def partitioned_profile(work: Path) -> tuple[dict, dict]:
     return {"profile_peak_rss_over_model_bytes": rise / measured["model_bytes"]}, {"partitioned_profile": measured}
 
 
-def larger_than_memory(work: Path, nvme: str) -> tuple[dict, dict]:
+def larger_than_memory(work: Path, nvme: Path) -> tuple[dict, dict]:
     """(results, details) of the `1b` preset trained through the planner under a budget a fraction of its
-    training state (ds_configs/cpu_1b_planned.json, its NVMe folder replaced by `nvme`)."""
+    training state (ds_configs/cpu_1b_planned.json, its NVMe folder replaced by `nvme`/larger_than_memory)."""
     from lazyzero.plan.profile.profiler import read_profile
 
     config = json.loads((ROOT / "ds_configs" / "cpu_1b_planned.json").read_text())
     # A profile file of its own (measured afresh: the NVMe folder is new each run), so that the NVMe
     # speeds its step-time prediction rests on are reported beside it (docs/plan.md).
     profile_path = work / "larger_than_memory" / "profile.json"
-    config["lazyzero"]["plan"].update(nvme_path=nvme, output_dir=str(work / "larger_than_memory" / "plan"),
+    folder = nvme / "larger_than_memory"
+    folder.mkdir(parents=True, exist_ok=True)
+    config["lazyzero"]["plan"].update(nvme_path=str(folder), output_dir=str(work / "larger_than_memory" / "plan"),
                                       profile_path=str(profile_path))
     records = train("larger_than_memory", config, work, LARGER_STEPS, model="1b", seq_len=LARGER_SEQ_LEN)
+    emptied(folder)
     report = json.loads((work / "larger_than_memory" / "report.json").read_text())
     profile = read_profile(profile_path)
     speeds = profile.machine.bandwidths
@@ -228,8 +280,8 @@ def priced_speeds(printed: str) -> dict[str, float]:
 def main() -> None:
     args = parse_args()
     # DeepSpeed never removes its swap files (zero_stage_3/ under the NVMe folder: 32 GB after the
-    # 1b run), so every run swaps into a folder of its own, removed at the end.
-    scratch = tempfile.mkdtemp(prefix="bench_planner_", dir=args.nvme)
+    # 1b run), so every run swaps into a folder of its own under this one, removed at the end.
+    scratch = Path(tempfile.mkdtemp(prefix="bench_planner_", dir=args.nvme))
     try:
         args.nvme = scratch
         run(args)
@@ -249,33 +301,43 @@ def run(args: argparse.Namespace) -> None:
         write_results(args.out, "bench_planner", args.quick, profiled, profile_details)
         return
     results = {**solve_80_layers(), **profiled}
+    rounds = compare_in_rounds(args.work, args.nvme, steps, QUICK_ROUNDS if args.quick else ROUNDS)
+    compared, details = compared_results(args.work, rounds)
+    results.update(compared)
+    # Last, so that its 32 GB of swap traffic precedes none of the compared runs.
     larger, larger_details = larger_than_memory(args.work, args.nvme)
     results.update(larger)
-    profile_details.update(larger_details)
-    runs = {"planned": train("planned", planned_config(args.nvme, args.work), args.work, steps)}
-    for name, config in baseline_configs(args.work, args.nvme).items():
-        runs[name] = train(name, config, args.work, steps)
-    report = json.loads((args.work / "planned" / "report.json").read_text())
+    details.update(steps=steps, **profile_details, **larger_details)
+    write_results(args.out, "bench_planner", args.quick, results, details)
+
+
+def compared_results(work: Path, rounds: list[dict[str, list[dict]]]) -> tuple[dict, dict]:
+    """(results, details) of the compared runs: the first round's planned run gives the prediction
+    errors, every round the speedups."""
+    report = json.loads((work / "round1" / "planned" / "report.json").read_text())
     plan, checks = report["plan"], report["plan_checks"]
-    step_s = {name: median_step_s(records, PLANNED_STEADY_FROM if name == "planned" else WARMUP_STEPS)
-              for name, records in runs.items()}
-    peak = {name: max(r["peak_mem_bytes"] for r in records) for name, records in runs.items()}
+    step_s, per_round = compared_step_s(rounds)
+    peak = {name: max(r["peak_mem_bytes"] for done in rounds for r in done[name]) for name in COMPARED}
     budget = report["compute_budget_per_rank_bytes"]
     first, last = checks[0], checks[-1]
-    results.update(
+    results = dict(
         pred_error_step_time=abs(first["step_time_error"]), pred_error_peak_mem=abs(first["peak_error"]),
         pred_error_step_time_replanned=abs(last["step_time_error"]),
         pred_error_peak_mem_replanned=abs(last["peak_error"]),
         speedup_vs_fixed_rule=step_s["fixed_rule"] / step_s["planned"],
         speedup_vs_deepspeed_default=step_s["deepspeed_default"] / step_s["planned"],
         peak_over_budget_planned=peak["planned"] / budget)
-    details = {"step_s": step_s, "peak_rss_bytes": peak, "budget_per_rank_bytes": budget,
-               "headroom_share": HEADROOM_SHARE,
-               "plan_layers": plan["layers"], "plan_checks": checks,
-               "peak_over_budget": {name: value / budget for name, value in peak.items()},
-               "model": MODEL, "seq_len": SEQ_LEN, "micro_batch": MICRO_BATCH, "steps": steps, "ranks": RANKS,
-               **profile_details}
-    write_results(args.out, "bench_planner", args.quick, results, details)
+    details = {"step_s": step_s, "rounds": [
+        {"order": list(done), "step_s": medians,
+         "speedup_vs_fixed_rule": medians["fixed_rule"] / medians["planned"],
+         "speedup_vs_deepspeed_default": medians["deepspeed_default"] / medians["planned"],
+         "all_step_s": {name: [r["step_time_s"] for r in records] for name, records in done.items()}}
+        for done, medians in zip(rounds, per_round)],
+        "peak_rss_bytes": peak, "budget_per_rank_bytes": budget, "headroom_share": HEADROOM_SHARE,
+        "plan_layers": plan["layers"], "plan_checks": checks,
+        "peak_over_budget": {name: value / budget for name, value in peak.items()},
+        "model": MODEL, "seq_len": SEQ_LEN, "micro_batch": MICRO_BATCH, "ranks": RANKS}
+    return results, details
 
 
 if __name__ == "__main__":

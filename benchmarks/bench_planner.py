@@ -185,11 +185,14 @@ def compare_in_rounds(work: Path, nvme: Path, steps: int, rounds: int) -> list[d
 
 
 def emptied(folder: Path) -> None:
-    """Remove what a run swapped into `folder` (DeepSpeed leaves its swap files) and wait for the disk:
-    a file deleted before its pages are written costs no writes, and the next run starts on a quiet
-    disk."""
+    """Remove what a run swapped into `folder` (DeepSpeed leaves its swap files) and flush what else the
+    run wrote (its logs, reports, profile; the swap files themselves are written with O_DIRECT), so
+    that the next run starts on a quiet disk."""
     for entry in folder.iterdir():
-        shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
+        if entry.is_dir():
+            shutil.rmtree(entry)
+        else:
+            entry.unlink()
     os.sync()
 
 

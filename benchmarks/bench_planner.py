@@ -268,9 +268,13 @@ def larger_than_memory(work: Path, nvme: Path) -> tuple[dict, dict]:
         "profile_nvme_read_bytes_per_s": speeds["nvme_read"].bytes_per_s,
         "profile_nvme_write_bytes_per_s": speeds["nvme_write"].bytes_per_s,
         "priced_nvme_bytes_per_s": priced_speeds((work / "larger_than_memory" / "output.txt").read_text()),
-        "calibration_engine_step_s": {f"{run.layers}{' nvme' if run.nvme else ''}": run.step_s
-                                      for run in profile.engine.runs}}}
+        "calibration_engine_step_s": {engine_name(run): run.step_s for run in profile.engine.runs}}}
     return results, details
+
+
+def engine_name(run) -> str:
+    """A calibration engine's decoder layers and what it swapped ("3 nvme params": parameters alone)."""
+    return f"{run.layers}{' nvme' if run.nvme else ''}{' params' if run.params_only else ''}"
 
 
 def priced_speeds(printed: str) -> dict[str, float]:

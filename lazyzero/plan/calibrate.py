@@ -18,6 +18,7 @@ activation choices.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 from lazyzero.plan.costs import EMBED_AND_HEAD
@@ -46,27 +47,47 @@ def engine_calibrated(problem: PlanProblem, profile, process_bytes: int) -> Plan
     fixed, per_layer = engine_memory_excess((run.layers, error) for run, (_, error) in zip(runs, errors))
     layers = tuple(_with_overhead(c, per_layer_s, per_step_s, round(per_layer)) for c in problem.layers)
     problem = replace(problem, layers=layers, workspace_bytes=max(0, round(problem.workspace_bytes + fixed)))
-    swapped = [run for run in profile.engine.runs if run.nvme]
+    swapped = [run for run in profile.engine.runs if run.nvme and not run.params_only]
     if swapped and "nvme" in problem.machine.tiers:
         in_memory = next(run for run in runs if run.layers == swapped[0].layers)
-        problem = nvme_calibrated(problem, in_memory.step_s, swapped[0])
+        params_alone = next((run for run in profile.engine.runs if run.params_only), None)
+        problem = nvme_calibrated(problem, in_memory.step_s, swapped[0], params_alone)
     return problem
 
 
-def nvme_calibrated(problem: PlanProblem, in_memory_step_s: float, swapped) -> PlanProblem:
-    """`problem` (already engine-calibrated) with its NVMe reads and writes priced at one speed: the
-    one at which the NVMe calibration engine (`swapped`: its decoder layers' parameters and optimizer
-    state on NVMe, engine_calibration.py) costs over the in-memory engine of its depth
-    (`in_memory_step_s`) what it measured. One speed for both directions: the disk test's ratio of
-    read to write moved from 0.6 to 2 between runs of the `1b` preset on one machine while the run's
-    step did not (docs/plan.md). An NVMe engine measured no slower than in memory (noise) leaves the
-    disk test's speeds."""
-    cut = _with_nvme_speed(_cut(problem, swapped.layers), UNIT_SPEED)
-    seconds_at_unit_speed = _swapped_prediction(cut) - _in_memory_prediction(cut)[0]
-    measured = swapped.step_s - in_memory_step_s
-    if seconds_at_unit_speed <= 0 or measured <= 0:
-        return problem
-    return _with_nvme_speed(problem, UNIT_SPEED * seconds_at_unit_speed / measured)
+def nvme_calibrated(problem: PlanProblem, in_memory_step_s: float, swapped, params_alone=None) -> PlanProblem:
+    """`problem` (already engine-calibrated) with its NVMe reads and writes priced from the NVMe
+    calibration engines (engine_calibration.py) of the depth of the in-memory one that took
+    `in_memory_step_s`. `params_alone` (its decoder layers' parameters on NVMe, or None) prices the
+    parameters' copies (`Machine.nvme_param_bytes_per_s`) at the speed that reproduces what it costs
+    over memory; then every other NVMe copy is priced at the one speed at which `swapped` (parameters
+    and optimizer state on NVMe) costs what it measured, its parameters at their own speed. One speed
+    for both directions: the disk test's ratio of read to write moved from 0.6 to 2 between runs of
+    the `1b` preset on one machine while the run's step did not (docs/plan.md). An engine measured no
+    slower than the one it is compared with (noise) prices nothing: parameters then go at the other
+    copies' speed, and those at the disk test's."""
+    cut = _cut(problem, swapped.layers)
+    in_memory_s = _in_memory_prediction(cut)[0]
+    if params_alone is not None:
+        param_speed = _fitted_speed(_with_nvme_speed(cut, UNIT_SPEED), in_memory_s,
+                                    params_alone.step_s - in_memory_step_s, states=False)
+        if param_speed is not None:
+            problem, cut = _with_param_speed(problem, param_speed), _with_param_speed(cut, param_speed)
+    speed = _fitted_speed(_with_nvme_speed(cut, UNIT_SPEED), in_memory_s, swapped.step_s - in_memory_step_s)
+    return problem if speed is None else _with_nvme_speed(problem, speed)
+
+
+def _fitted_speed(at_unit_speed: PlanProblem, in_memory_s: float, measured_s: float, states: bool = True):
+    """The path speed (bytes per second) at which the swapped engine's predicted excess over
+    `in_memory_s` is `measured_s`, from its prediction with every NVMe path at UNIT_SPEED
+    (`at_unit_speed`); copies priced apart (parameters at their own speed) keep their price. None where
+    the excess at UNIT_SPEED or the measured one is not positive. NVMe swaps block
+    (`Machine.nvme_swaps_block`), so the excess is linear in each speed's inverse."""
+    at_unit_s = _swapped_prediction(at_unit_speed, states) - in_memory_s
+    apart_s = _swapped_prediction(_with_nvme_speed(at_unit_speed, math.inf), states) - in_memory_s
+    if at_unit_s - apart_s <= 0 or measured_s - apart_s <= 0:
+        return None
+    return UNIT_SPEED * (at_unit_s - apart_s) / (measured_s - apart_s)
 
 
 # Bytes per second at which the NVMe engine's traffic is counted before its measured time scales it.
@@ -79,15 +100,20 @@ def _with_nvme_speed(problem: PlanProblem, bytes_per_s: float) -> PlanProblem:
     return replace(problem, machine=replace(problem.machine, paths=paths))
 
 
-def _swapped_prediction(problem: PlanProblem) -> float:
-    """Predicted step time of the NVMe calibration engine: each decoder layer's fp32 optimizer state
-    on NVMe, and its parameters where the problem allows parameters there; the embeddings and head
-    in memory."""
+def _with_param_speed(problem: PlanProblem, bytes_per_s: float) -> PlanProblem:
+    return replace(problem, machine=replace(problem.machine, nvme_param_bytes_per_s=bytes_per_s))
+
+
+def _swapped_prediction(problem: PlanProblem, states: bool = True) -> float:
+    """Predicted step time of an NVMe calibration engine: each decoder layer's parameters on NVMe where
+    the problem allows parameters there, and (with `states`) its fp32 optimizer state; the embeddings
+    and head in memory."""
     from lazyzero.plan.simulate import evaluate_layers
 
     param_tier = "nvme" if problem.param_tiers is None or "nvme" in problem.param_tiers else "gpu"
+    state_tier = "nvme" if states else "gpu"
     layers = [LayerPlan("keep", 16, "gpu", "gpu", "gpu", False) if c.name == EMBED_AND_HEAD
-              else LayerPlan("keep", 16, "gpu", param_tier, "nvme", False) for c in problem.layers]
+              else LayerPlan("keep", 16, "gpu", param_tier, state_tier, False) for c in problem.layers]
     return evaluate_layers(problem, layers, "greedy").predicted_step_s
 
 

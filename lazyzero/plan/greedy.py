@@ -24,6 +24,7 @@ from lazyzero.plan.problem import (
     Plan,
     PlanInfeasible,
     PlanProblem,
+    blocking_seconds,
     optimizer_step_s,
     placement_options,
     placement_traffic,
@@ -155,7 +156,8 @@ def _cost(problem: PlanProblem, i: int, lp: LayerPlan) -> float:
     """Estimated seconds per step of layer i's choices, every copy assumed exposed, plus quality."""
     costs, machine = problem.layers[i], problem.machine
     seconds = optimizer_step_s(problem, i, lp.placement)
-    seconds += sum(t.bytes / machine.paths[t.path].bytes_per_s for t in placement_traffic(problem, i, lp.placement))
+    seconds += sum(blocking_seconds(problem, t) or t.bytes / machine.paths[t.path].bytes_per_s
+                   for t in placement_traffic(problem, i, lp.placement))
     forward, backward = costs.window_seconds(lp.act)
     seconds += forward + backward - costs.fwd_s - costs.bwd_s
     if lp.act_mode == "recompute":

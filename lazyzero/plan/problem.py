@@ -192,6 +192,11 @@ class Machine:
     nvme_state_takes_grads: bool = False
     """Without a host tier, a layer whose optimizer state is on NVMe has its gradients written there
     after its backward and read back for the step (DeepSpeed's NVMe optimizer swapper)."""
+    nvme_param_bytes_per_s: float | None = None
+    """The speed of parameters' blocking NVMe copies where it differs from the paths' (None: the
+    paths'). DeepSpeed reads a layer's parameters one tensor at a time before its use, and writes them
+    back after the step; optimizer states move in large pipelined blocks. The profile measures both
+    (calibrate.nvme_calibrated)."""
 
     def __post_init__(self):
         _require("gpu" in self.tiers, "tiers", "needs a 'gpu' tier (the compute memory)")
@@ -208,6 +213,8 @@ class Machine:
         _require_nonnegative(self, ("cpu_adam_s_per_byte", "gpu_adam_s_per_byte"))
         for name in ("cpu_adam8_s_per_byte", "gpu_adam8_s_per_byte"):
             _require(getattr(self, name) is None or getattr(self, name) >= 0, name, "must be None or a number >= 0")
+        _require(self.nvme_param_bytes_per_s is None or self.nvme_param_bytes_per_s > 0, "nvme_param_bytes_per_s",
+                 f"must be None or a number > 0, got {self.nvme_param_bytes_per_s!r}")
 
     @property
     def has_host(self) -> bool:
@@ -489,6 +496,7 @@ class Traffic(NamedTuple):
     window: int
     path: str
     bytes: float
+    kind: str = "state"  # "param" for a parameter's copies (priced apart, Machine.nvme_param_bytes_per_s)
 
 
 def placement_traffic(problem: PlanProblem, layer: int, placement: Placement) -> list[Traffic]:
@@ -498,7 +506,7 @@ def placement_traffic(problem: PlanProblem, layer: int, placement: Placement) ->
     if placement.param_tier != "gpu":
         for use in (problem.forward_window(layer), problem.backward_window(layer)):
             window = (use - 1) % problem.num_windows
-            traffic += [Traffic(window, p, costs.param_bytes) for p in machine.route_up(placement.param_tier)]
+            traffic += [Traffic(window, p, costs.param_bytes, "param") for p in machine.route_up(placement.param_tier)]
     on_host = machine.optimizer_on_host(placement.state_tier)
     opt = problem.optimizer_window
     if on_host:  # gradients leave in the window after the layer's backward (ZeRO-Offload)
@@ -511,11 +519,11 @@ def placement_traffic(problem: PlanProblem, layer: int, placement: Placement) ->
                         Traffic(opt, "nvme_read", costs.grad_bytes)]
     # The updated 16-bit parameters are produced where the optimizer runs and go home.
     if on_host and placement.param_tier == "gpu":
-        traffic.append(Traffic(opt, "h2d", costs.param_bytes))
+        traffic.append(Traffic(opt, "h2d", costs.param_bytes, "param"))
     elif on_host and placement.param_tier == "nvme":
-        traffic.append(Traffic(opt, "nvme_write", costs.param_bytes))
+        traffic.append(Traffic(opt, "nvme_write", costs.param_bytes, "param"))
     elif not on_host and placement.param_tier != "gpu":
-        traffic += [Traffic(opt, p, costs.param_bytes) for p in machine.route_down(placement.param_tier)]
+        traffic += [Traffic(opt, p, costs.param_bytes, "param") for p in machine.route_down(placement.param_tier)]
     return traffic
 
 
@@ -543,9 +551,12 @@ def check_act_widths(problem: PlanProblem, layers) -> None:
 
 def blocking_seconds(problem: PlanProblem, traffic: Traffic) -> float:
     """Seconds a placement copy adds to its window's time (0 where copies overlap compute)."""
-    if problem.machine.nvme_swaps_block and traffic.path.startswith("nvme"):
-        return traffic.bytes / problem.machine.paths[traffic.path].bytes_per_s
-    return 0.0
+    machine = problem.machine
+    if not (machine.nvme_swaps_block and traffic.path.startswith("nvme")):
+        return 0.0
+    if traffic.kind == "param" and machine.nvme_param_bytes_per_s is not None:
+        return traffic.bytes / machine.nvme_param_bytes_per_s
+    return traffic.bytes / machine.paths[traffic.path].bytes_per_s
 
 
 def optimizer_step_s(problem: PlanProblem, layer: int, placement: Placement) -> float:

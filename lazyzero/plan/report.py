@@ -47,8 +47,10 @@ def plan_table(problem: PlanProblem, plan: Plan) -> str:
     console.print(f"predicted step time {plan.predicted_step_s:.3f} s, solved in {plan.solve_s:.2f} s, "
                   f"gap {100 * plan.gap:.2f}%, status {plan.status}")
     if problem.machine.paths:
-        console.print("copy speeds priced: " + ", ".join(f"{name} {path.bytes_per_s / GB:.2f} GB/s"
-                                                         for name, path in problem.machine.paths.items()))
+        speeds = [f"{name} {path.bytes_per_s / GB:.2f} GB/s" for name, path in problem.machine.paths.items()]
+        if problem.machine.nvme_param_bytes_per_s is not None:
+            speeds.append(f"nvme_parameters {problem.machine.nvme_param_bytes_per_s / GB:.2f} GB/s")
+        console.print("copy speeds priced: " + ", ".join(speeds))
     return buffer.getvalue()
 
 

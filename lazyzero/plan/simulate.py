@@ -145,8 +145,8 @@ def _path_loads(problem: PlanProblem, plan: Plan) -> list[Counter]:
     machine = problem.machine
     loads = [Counter() for _ in range(problem.num_windows)]
     for i, lp in enumerate(plan.layers):
-        for window, path, size in placement_traffic(problem, i, lp.placement):
-            loads[window][path] += size
+        for traffic in placement_traffic(problem, i, lp.placement):
+            loads[traffic.window][traffic.path] += traffic.bytes
     for t in plan.act_transfers:
         tier = plan.layers[t.layer].act_tier
         route = machine.route_down(tier) if t.direction == "down" else machine.route_up(tier)

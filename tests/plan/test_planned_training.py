@@ -93,12 +93,13 @@ def test_a_given_plan_is_realized_and_measured_then_replanned(tmp_path):
     assert tiers["optimizer_memory_elements"] > 0 and tiers["param_memory_elements"] > 0
     checks = report["plan_checks"]
     assert checks[0]["replanned"] and checks[0]["predicted_step_s"] > 0 and checks[0]["measured_peak_bytes"] > 0
-    # The profile's engine calibration ran an engine with its decoder layers swapped (its NVMe
-    # speeds price the plan's swaps) and removed its swap files.
+    # The profile's engine calibration ran engines with their decoder layers swapped, and with their
+    # parameters alone swapped (their NVMe speeds price the plan's swaps), and removed their swap files.
     from lazyzero.plan.profile.profiler import read_profile
 
     runs = read_profile(tmp_path / "profile.json").engine.runs
-    assert [(run.layers, run.nvme) for run in runs] == [(1, False), (3, False), (3, True)]
+    assert ([(run.layers, run.nvme, run.params_only) for run in runs]
+            == [(1, False, False), (3, False, False), (3, True, False), (3, True, True)])
     assert all(run.step_s > 0 for run in runs)
     assert not list((tmp_path / "nvme").glob("lazyzero-calibration-*"))
     assert "lazyzero plan 0: step time measured" in printed

@@ -423,6 +423,39 @@ def test_the_nvme_engine_prices_every_nvme_copy_at_the_one_speed_it_measured(tmp
     assert 1e9 < priced[0.5] and priced[2.0] < 1e9
 
 
+def test_an_engine_with_parameters_alone_on_nvme_prices_them_apart_from_the_other_copies(tmp_path):
+    from lazyzero.plan.calibrate import _cut, _swapped_prediction
+    from lazyzero.plan.problem import Placement, blocking_seconds, placement_traffic
+    from lazyzero.plan.profile.data import EngineCalibration, EngineRun
+
+    profile = _five_layer_profile()
+    budgets = Budgets(cpu_mem=4 * 10**9, gpu_mem=None, nvme_path=str(tmp_path), local_ranks=2)
+    shape = RankShape(2, "bfloat16", True, True)
+    in_memory_runs = (EngineRun(1, 1.0, 0, 0, 0), EngineRun(3, 2.0, 0, 0, 0))
+    swapped = EngineRun(3, 4.0, 0, 0, 0, nvme=True)
+    one_speed, _ = problem_from_profile(replace(profile, engine=EngineCalibration(in_memory_runs + (swapped,), {})),
+                                        budgets, shape, process_bytes=0)
+    assert one_speed.machine.nvme_param_bytes_per_s is None
+    # Parameters alone take half the mixed engine's excess over memory: slower per byte than the mix.
+    params_alone = EngineRun(3, 3.0, 0, 0, 0, nvme=True, params_only=True)
+    engine = EngineCalibration(in_memory_runs + (swapped, params_alone), {})
+    problem, _ = problem_from_profile(replace(profile, engine=engine), budgets, shape, process_bytes=0)
+    cut = _cut(problem, 3)
+    assert _swapped_prediction(cut, states=False) == pytest.approx(params_alone.step_s)
+    assert _swapped_prediction(cut) == pytest.approx(swapped.step_s)
+    param_speed, other_speed = problem.machine.nvme_param_bytes_per_s, problem.machine.paths["nvme_read"].bytes_per_s
+    assert param_speed < one_speed.machine.paths["nvme_read"].bytes_per_s < other_speed
+    # A parameter's copies are priced at their speed, an optimizer state's at the paths'.
+    layer = next(i for i, c in enumerate(problem.layers) if c.name != "embed_and_head")
+    for traffic in placement_traffic(problem, layer, Placement("nvme", "nvme", False)):
+        speed = param_speed if traffic.kind == "param" else other_speed
+        assert blocking_seconds(problem, traffic) == pytest.approx(traffic.bytes / speed)
+    # An engine with parameters alone no slower than memory (noise) prices them with the rest.
+    noise = EngineCalibration(in_memory_runs + (swapped, replace(params_alone, step_s=1.9)), {})
+    problem, _ = problem_from_profile(replace(profile, engine=noise), budgets, shape, process_bytes=0)
+    assert problem.machine == one_speed.machine
+
+
 def test_an_nvme_engine_no_slower_than_memory_or_a_run_without_nvme_keeps_the_disk_test(tmp_path):
     from lazyzero.plan.profile.data import EngineCalibration, EngineRun
 

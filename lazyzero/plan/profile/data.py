@@ -19,7 +19,7 @@ PROFILE_KIND = "lazyzero.profile"
 # second engine reused the first one's freed memory and looked smaller than it is).
 # 6: the engine calibration has an engine with its decoder layers swapped to NVMe where the run may
 # swap there (a version-5 profile priced NVMe at the disk test alone).
-PROFILE_VERSION = 6
+PROFILE_VERSION = 7
 DECODER = "decoder"
 EMBED_AND_HEAD_KIND = "embed_and_head"
 
@@ -175,7 +175,8 @@ class EngineRun:
     median `step_s` over the timed steps, the process's peak resident set over them, its resident
     set before the engine was built, and the bytes of the model's parameters it was given (in
     `before_bytes`; ZeRO-3 frees them as it partitions). `nvme`: its decoder layers' parameters and
-    optimizer state were on NVMe (else every tensor was in memory)."""
+    optimizer state were on NVMe (else every tensor was in memory); with `params_only`, only their
+    parameters."""
 
     layers: int
     step_s: float
@@ -183,6 +184,7 @@ class EngineRun:
     before_bytes: int
     model_bytes: int
     nvme: bool = False
+    params_only: bool = False
 
 
 @dataclass(frozen=True)

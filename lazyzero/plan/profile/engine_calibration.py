@@ -16,7 +16,10 @@ runs them. A plan's NVMe time is DeepSpeed's swappers reading one layer's parame
 synchronously, while training; the profile's disk test (one large file, nothing else running) moved
 over 4x between runs of the `1b` preset while that preset's step did not (docs/plan.md). So the time
 the NVMe engine adds over the in-memory engine of its depth is what the plan's NVMe traffic is
-priced at (`calibrate.nvme_calibrated`).
+priced at (`calibrate.nvme_calibrated`). Where parameters may go to NVMe, a fourth engine has only the
+decoder layers' parameters there: DeepSpeed reads them a tensor at a time before each use, at about
+half the speed per byte of the optimizer state's pipelined blocks in bench_planner's runs
+(docs/plan.md), so parameters are priced at their own speed.
 
 Each engine runs in a fresh child process per rank, with a process group of its own: a DeepSpeed
 engine does not give its memory back when destroyed (330 MB per pair of 1- and 2-layer engines here,
@@ -55,6 +58,8 @@ NVME_CALIBRATION_LAYERS = CALIBRATION_LAYERS[-1]
 NVME_STEPS_FACTOR = 2
 WARMUP_STEPS = 1
 CHILD_TIMEOUT_S = 1800
+# What an NVMe engine swaps: its decoder layers' parameters and optimizer state, or parameters only.
+NVME_ALL, NVME_PARAMS = "nvme", "nvme-params"
 
 
 def calibrate_engine(model: nn.Module, config: dict, batch: dict, steps: int) -> EngineCalibration:
@@ -62,16 +67,18 @@ def calibrate_engine(model: nn.Module, config: dict, batch: dict, steps: int) ->
     layers, under DeepSpeed `config`, each in fresh processes (every rank calls this together; `batch`
     is one micro-batch)."""
     rank, world = _world()
-    depths = [(layers, False) for layers in CALIBRATION_LAYERS]
+    depths = [(layers, "") for layers in CALIBRATION_LAYERS]
     if swaps_to_nvme(config):
-        depths.append((NVME_CALIBRATION_LAYERS, True))
+        depths.append((NVME_CALIBRATION_LAYERS, NVME_ALL))
+        if parameters_swappable(model):
+            depths.append((NVME_CALIBRATION_LAYERS, NVME_PARAMS))
     with tempfile.TemporaryDirectory(prefix="lazyzero-calibration-") as folder:
         model.config.save_pretrained(folder)
         request = {"config_dir": folder, "ds_config": config, "dtype": str(_dtype(model)).removeprefix("torch."),
                    "attn_implementation": getattr(model.config, "_attn_implementation", None),
                    "batch": {key: value.tolist() for key, value in batch.items()}, "steps": steps,
                    "rank": rank, "world_size": world, "threads": torch.get_num_threads()}
-        runs = tuple(_run_in_child(request, layers, Path(folder), nvme) for layers, nvme in depths)
+        runs = tuple(_run_in_child(request, layers, Path(folder), swapped) for layers, swapped in depths)
     return EngineCalibration(runs=runs, config=config)
 
 
@@ -80,11 +87,13 @@ def swaps_to_nvme(config: dict) -> bool:
     return config.get("zero_optimization", {}).get("offload_optimizer", {}).get("device") == "nvme"
 
 
-def _run_in_child(request: dict, layers: int, folder: Path, nvme: bool) -> EngineRun:
-    """The engine of `layers` decoder layers (with `nvme`, swapped), run by this rank's fresh child process."""
-    rank, name = request["rank"], f"{layers}{'-nvme' if nvme else ''}"
+def _run_in_child(request: dict, layers: int, folder: Path, swapped: str) -> EngineRun:
+    """The engine of `layers` decoder layers (`swapped`: "", NVME_ALL or NVME_PARAMS), run by this rank's
+    fresh child process."""
+    rank, name = request["rank"], f"{layers}{'-' + swapped if swapped else ''}"
     request_path, result_path = folder / f"request{rank}-{name}.json", folder / f"result{rank}-{name}.json"
-    request = {**request, "layers": layers, "nvme": nvme, "port": _shared_port(), "result_path": str(result_path)}
+    request = {**request, "layers": layers, "nvme": bool(swapped), "params_only": swapped == NVME_PARAMS,
+               "port": _shared_port(), "result_path": str(result_path)}
     request_path.write_text(json.dumps(request))
     child = subprocess.run([sys.executable, "-m", "lazyzero.plan.profile.engine_calibration", str(request_path)],
                            env=_child_env(request), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -133,16 +142,17 @@ def _truncated(config_dir: str, layers: int, dtype: torch.dtype, attn_implementa
         return AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn_implementation)
 
 
-def _placement(model: nn.Module, config: dict, nvme: bool):
+def _placement(model: nn.Module, config: dict, nvme: bool, params_only: bool = False):
     """As a planned run places them: with `nvme` every decoder layer's parameters and optimizer
-    state on NVMe (the embeddings and head in memory), else, with the optimizer offloaded to NVMe,
-    every layer kept in memory; None where nothing is offloaded."""
+    state on NVMe (with `params_only`, parameters only; the embeddings and head in memory), else, with
+    the optimizer offloaded to NVMe, every layer kept in memory; None where nothing is offloaded."""
     from lazyzero.plan.profile.layers import decoder_layers
     from lazyzero.plan.zero_placement import ZeroPlacement
 
     if nvme:
         layers = list(decoder_layers(model))
-        return ZeroPlacement.from_modules([name for name, _ in model.named_parameters()], layers,
+        return ZeroPlacement.from_modules([name for name, _ in model.named_parameters()],
+                                          [] if params_only else layers,
                                           layers if parameters_swappable(model) else None)
     return ZeroPlacement() if swaps_to_nvme(config) else None
 
@@ -154,7 +164,8 @@ def parameters_swappable(model: nn.Module) -> bool:
     return nvme_swaps_parameters(str(_dtype(model)).removeprefix("torch."), on_gpu=torch.cuda.is_available())
 
 
-def _run(model: nn.Module, config: dict, batch: dict, steps: int, layers: int, nvme: bool = False) -> dict:
+def _run(model: nn.Module, config: dict, batch: dict, steps: int, layers: int, nvme: bool = False,
+         params_only: bool = False) -> dict:
     import deepspeed
 
     from lazyzero.plan.host_memory import peak_resident_bytes, reset_peak_resident, resident_bytes
@@ -162,7 +173,7 @@ def _run(model: nn.Module, config: dict, batch: dict, steps: int, layers: int, n
 
     before = resident_bytes()
     model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    placement = _placement(model, config, nvme)
+    placement = _placement(model, config, nvme, params_only)
     with zero_placement(placement) if placement is not None else nullcontext():
         engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
     ends = []
@@ -178,7 +189,7 @@ def _run(model: nn.Module, config: dict, batch: dict, steps: int, layers: int, n
     torch.distributed.barrier()
     engine.destroy()
     return {"layers": layers, "step_s": statistics.median(durations), "peak_bytes": peak, "before_bytes": before,
-            "model_bytes": model_bytes, "nvme": nvme}
+            "model_bytes": model_bytes, "nvme": nvme, "params_only": params_only}
 
 
 def _child(request_path: str) -> None:
@@ -212,7 +223,7 @@ def _child(request_path: str) -> None:
             config = nvme_calibration_ds_config(config, model_sizes_of(model, request["world_size"]), str(folder),
                                                 parameters=parameters_swappable(model))
         steps = request["steps"] * (NVME_STEPS_FACTOR if request["nvme"] else 1)
-        run = _run(model, config, batch, steps, layers, request["nvme"])
+        run = _run(model, config, batch, steps, layers, request["nvme"], request["params_only"])
     Path(request["result_path"]).write_text(json.dumps(run))
     torch.distributed.destroy_process_group()
 

@@ -125,9 +125,9 @@ def engine_memory_excess(errors) -> tuple[float, float]:
     memory per layer: the demo preset's engines, each in a fresh process, measured 57, 94 and 134 MB
     above the prediction at 1, 3 and 6 layers), so the line through the two errors is split into its
     value at 0 layers (the workspace's) and its slope, which each decoder layer holds while its
-    parameters are in compute memory (`LayerCosts.engine_excess_bytes`): the calibration engines
-    hold every layer in memory, and a layer placed on NVMe holds none of it (the `1b` preset's
-    layers on NVMe, docs/plan.md). A line that falls with depth is noise, not memory an engine gives
+    parameters and optimizer state are in compute memory (`LayerCosts.engine_excess_held`): the
+    calibration engines hold every layer in memory, and a layer with either on NVMe held none of it
+    (the `1b` preset's plans, docs/plan.md). A line that falls with depth is noise, not memory an engine gives
     back: the larger measured error is then fixed. Never below 0: an engine's peak is measured above
     the resident set its process had before it was built, which includes heap the process had freed
     and the engine then reuses (the import of transformers, the model's creation), so a measured

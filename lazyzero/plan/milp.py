@@ -274,7 +274,7 @@ def _resident(problem: PlanProblem, v: _Variables, tier: str) -> mip.Var:
     many capacity rows that use it stay short)."""
     total = v.model.add_var(f"resident[{tier}]")
     v.model.add_constr(total == mip.xsum(
-        ((c.param_bytes + c.engine_excess_bytes * (tier == "gpu" and p.state_tier == "gpu")) * (p.param_tier == tier)
+        (c.param_bytes * (p.param_tier == tier) + c.engine_excess_held(p.param_tier, p.state_tier) * (tier == "gpu")
          + c.state_bytes(p.state_8bit) * (p.state_tier == tier)) / GB * x
         for c, place in zip(problem.layers, v.place) for p, x in place.items())
         + (_snapshot(problem, v) if tier == problem.host_tier() else 0), name=f"resident[{tier}]")

@@ -68,8 +68,8 @@ class LayerCosts:
     stage_bytes_fp32 / _8bit: host bytes the NVMe optimizer swapper stages to step this layer's state
     (None: the state's own bytes).
     engine_excess_bytes: what DeepSpeed and the allocator hold for this layer beyond the formulas
-    while its parameters are in compute memory (measured per layer on all-in-memory engines,
-    calibrate.engine_calibrated); a layer whose parameters live on another tier does not hold it.
+    while its parameters and optimizer state are in compute memory (measured per layer on
+    all-in-memory engines, calibrate.engine_calibrated); see `engine_excess_held`.
     snapshot_bytes_fp32 / _8bit: bytes a lazy checkpoint writes for this layer's state (its fp32
     partition and moments; 0 without lazy checkpoints), see `SnapshotMemory`.
     act_widths: the widths this layer may store its activations at; a width whose measured gradient
@@ -102,14 +102,21 @@ class LayerCosts:
     act_widths: tuple[int, ...] = BIT_WIDTHS
     grad_error: dict[int, float] | None = None
 
+    def engine_excess_held(self, param_tier: str, state_tier: str) -> int:
+        """Bytes of `engine_excess_bytes` this layer holds under that placement: all of it only where
+        its parameters and optimizer state both stay in compute memory, as on the calibration engines.
+        A layer with either on another tier held none of it in every run measured (the `1b` preset's
+        layers with parameters in memory and states on NVMe, docs/plan.md Measured)."""
+        return self.engine_excess_bytes if param_tier == state_tier == "gpu" else 0
+
     def __post_init__(self):
         _require(bool(self.name), "name", "must be a non-empty string")
         object.__setattr__(self, "act_widths", tuple(self.act_widths))
         _require(16 in self.act_widths and set(self.act_widths) <= set(BIT_WIDTHS), "act_widths",
                  f"must hold 16 (exact storage is always allowed) and only widths of {BIT_WIDTHS}, "
                  f"got {self.act_widths!r}")
-        _require_nonnegative(self, ("fwd_s", "bwd_s", "input_bytes", "param_bytes", "grad_bytes", "engine_excess_bytes",
-                                    "optim_state_bytes_fp32", "optim_state_bytes_8bit"))
+        _require_nonnegative(self, ("fwd_s", "bwd_s", "input_bytes", "param_bytes", "grad_bytes",
+                                    "engine_excess_bytes", "optim_state_bytes_fp32", "optim_state_bytes_8bit"))
         _require(self.recompute_s is None or self.recompute_s >= 0, "recompute_s",
                  f"must be None or a number >= 0, got {self.recompute_s!r}")
         for field_name in ("act_bytes", "quality_cost", "pack_fwd_s", "pack_bwd_s", "offload_fwd_s", "offload_bwd_s"):

@@ -188,7 +188,8 @@ def _walk_memory(problem: PlanProblem, layers: tuple[LayerPlan, ...]) -> list[di
     live[problem.param_swap_tier()] += problem.param_swap_held(layers)
     live[problem.host_tier()] += problem.snapshot_held(layers)
     for c, lp in zip(costs, layers):
-        live[lp.param_tier] += c.param_bytes + (c.engine_excess_bytes if lp.param_tier == lp.state_tier == "gpu" else 0)
+        live[lp.param_tier] += c.param_bytes
+        live["gpu"] += c.engine_excess_held(lp.param_tier, lp.state_tier)
         live[lp.state_tier] += c.state_bytes(lp.state_8bit)
     host_grads = [machine.optimizer_on_host(lp.state_tier) for lp in layers]
     leaving = [machine.grads_leave_device(lp.state_tier) for lp in layers]

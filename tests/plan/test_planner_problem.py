@@ -1,6 +1,7 @@
 """Planner (docs/plan.md): problem validation, the step simulator, the MILP against brute force, the greedy
 plan and the baselines checked against every budget."""
 
+import dataclasses
 import itertools
 import random
 import time
@@ -306,6 +307,39 @@ def test_simulator_memory_by_hand():
     over_budget = PlanProblem(problem.layers, machine(574, cpu=100, bandwidth=10.0), workspace_bytes=5)
     with pytest.raises(BudgetExceeded, match="gpu budget exceeded in window b1"):
         check_within_budgets(over_budget, evaluate_layers(over_budget, layers, "greedy"))
+
+
+def with_engine_excess(problem, excess):
+    layers = tuple(dataclasses.replace(c, engine_excess_bytes=excess) for c in problem.layers)
+    return dataclasses.replace(problem, layers=layers)
+
+
+@pytest.mark.parametrize("param_tier,state_tier,held", [
+    ("gpu", "gpu", 7), ("gpu", "cpu", 0), ("cpu", "gpu", 0), ("cpu", "cpu", 0)])
+def test_engine_excess_is_held_only_where_parameters_and_state_stay_in_memory(param_tier, state_tier, held):
+    """The calibration engines' per-layer excess (calibrate.engine_memory_excess) is charged to a layer
+    only under the placement those engines had; the MILP's resident memory counts the same."""
+    plain = hand_problem()
+    problem = with_engine_excess(plain, 7)
+    layers = [LayerPlan("keep", 16, "gpu", param_tier, state_tier, False),
+              LayerPlan("keep", 16, "gpu", "gpu", "gpu", False)]
+    with_excess = simulate(problem, evaluate_layers(problem, layers, "greedy"))
+    without = simulate(plain, evaluate_layers(plain, layers, "greedy"))
+    assert [w.memory["gpu"] - v.memory["gpu"] for w, v in zip(with_excess.windows, without.windows)] == \
+        [held + 7] * len(without.windows)
+    assert [w.memory["cpu"] for w in with_excess.windows] == [v.memory["cpu"] for v in without.windows]
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_milp_matches_brute_force_with_engine_excess(seed):
+    plain = random_problem(seed, 2, 0.3, bandwidth=FREE_LINKS, allowed_bits=(16, 8), allow_8bit_optimizer=True,
+                           checkpoint_bytes_per_step=GB)
+    problem = with_engine_excess(plain, plain.layers[0].param_bytes)
+    expected = brute_force(problem, every_placement(problem))
+    assert expected is not None, "the instance must have a plan"
+    plan = solve(problem, max_gap=0.0)
+    assert plan.objective == pytest.approx(expected, rel=TOLERANCES["planner_objective"])
+    check_within_budgets(problem, plan)
 
 
 def test_simulator_rejects_an_incomplete_schedule():

@@ -237,3 +237,19 @@ def test_every_rank_obtains_the_same_profile_with_collectives(tmp_path, nvme_fol
         assert speed.full_bytes == 4 * profile.layers[0].param_numel
     # The second call on every rank reused the file without measuring.
     assert all((tmp_path / f"rank{r}_reused.txt").read_text() == "True []" for r in range(2))
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_a_calibration_child_killed_by_a_signal_is_run_again_on_every_rank(tmp_path):
+    """Rank 1's first engine child aborts before its result (as a gloo teardown once did); both ranks
+    run that engine again together and the calibration completes, saying so."""
+    marker = tmp_path / "aborted"
+    worker = Path(__file__).resolve().parent / "calibration_retry_worker.py"
+    proc = run_distributed("deepspeed", 2, [str(worker), str(tmp_path)], timeout=600,
+                           env={"LAZYZERO_CALIBRATION_ABORT": f"{marker}@1"})
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    assert marker.exists(), "the abort hook never fired"
+    assert "killed by a signal on a rank" in proc.stdout
+    for rank in range(2):
+        assert json.loads((tmp_path / f"rank{rank}.json").read_text()) == [1, 3]

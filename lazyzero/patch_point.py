@@ -123,6 +123,10 @@ PATCH_POINTS: tuple[PatchPoint, ...] = (
                ("swap_config", "aio_config", "base_folder", "optimizer", "largest_numel", "device", "dtype",
                 "timers"),
                "8-bit optimizer states swap to NVMe packed (optimizer/nvme_swap.py)"),
+    PatchPoint("deepspeed.runtime.zero.stage3:PipelinedOptimizerSwapper", SWAP,
+               ("swap_config", "aio_config", "base_folder", "optimizer", "largest_numel", "device", "dtype",
+                "timers"),
+               "8-bit optimizer states swap to NVMe packed, pipelined (optimizer/nvme_swap_pipelined.py)"),
     PatchPoint(_STAGE3, SWAP, _STAGE3_PARAMETERS,
                "the engine builds TieredZeroOptimizer_Stage3 for a per-layer placement (plan/zero_placement.py)",
                # 0.19.7 also takes ZeRO++ LoCo's setting; the tiered builder hands every argument on as given.

@@ -11,6 +11,12 @@ from typing import Any, Optional
 from lazyzero.config.async_io import async_io_problems
 from lazyzero.config.errors import Problem
 from lazyzero.config.models import LazyZeroConfig
+from lazyzero.config.optimizer_swap import (
+    PARTITIONED_BUFFER_COUNT,
+    PIPELINED_OPERATIONS_IN_FLIGHT,
+    is_pipelined,
+    pipelined_buffer_count,
+)
 from lazyzero.config.plan_checks import plan_problems
 
 WRITABLE_DIRECTORY = "an existing directory this process can write to"
@@ -98,6 +104,7 @@ def _optimizer_conflicts(config: LazyZeroConfig, ds_config: dict) -> list[Proble
         return []
     problems = [Problem.conflict("lazyzero.optimizer.enabled", True, f"false while {setting} is {value}", why)
                 for setting, value, why in _eight_bit_state_blockers(ds_config)]
+    problems += _pipelined_swap_buffer_problems(ds_config)
     ds_optimizer = ds_config.get("optimizer")
     if not isinstance(ds_optimizer, dict) or "type" not in ds_optimizer:
         # Without an "optimizer" section the optimizer comes from code; the engine checks it there.
@@ -111,19 +118,29 @@ def _optimizer_conflicts(config: LazyZeroConfig, ds_config: dict) -> list[Proble
     return problems
 
 
+def _pipelined_swap_buffer_problems(ds_config: dict) -> list[Problem]:
+    """8-bit states swapped by the pipelined swapper take one pool buffer more per operation in
+    flight than DeepSpeed's own (lazyzero/config/optimizer_swap.py); too few stop the first step."""
+    zero = ds_config.get("zero_optimization")
+    offload = zero.get("offload_optimizer") if isinstance(zero, dict) else None
+    if not (isinstance(offload, dict) and offload.get("device") == "nvme" and is_pipelined(offload)):
+        return []
+    count, needed = offload.get("buffer_count", PARTITIONED_BUFFER_COUNT), pipelined_buffer_count()
+    if not isinstance(count, int) or count >= needed:
+        return []
+    return [Problem.conflict(
+        "zero_optimization.offload_optimizer.buffer_count", count,
+        f"at least {needed} while pipeline_read or pipeline_write is true and lazyzero.optimizer is enabled",
+        f"up to {PIPELINED_OPERATIONS_IN_FLIGHT} swap operations are in flight, each holding the fp32 master, the "
+        "gradient and the packed 8-bit state of a sub-group")]
+
+
 def _eight_bit_state_blockers(ds_config: dict) -> list[tuple[str, str, str]]:
     """DeepSpeed settings that would move or reshape optimizer states as fp32 tensors of the
     partition's size, which 8-bit codes and per-block scales are not: (setting, value, why)."""
     zero = ds_config.get("zero_optimization")
     zero = zero if isinstance(zero, dict) else {}
-    offload = zero.get("offload_optimizer")
     blockers = []
-    if isinstance(offload, dict) and offload.get("device") == "nvme":
-        for key in ("pipeline_read", "pipeline_write"):
-            if offload.get(key) is True:
-                blockers.append((f"zero_optimization.offload_optimizer.{key}", "true",
-                                 "the pipelined optimizer swapper moves fp32 tensors of the parameter's size; 8-bit "
-                                 "states are swapped by lazyzero's non-pipelined swapper (set it false)"))
     if zero.get("elastic_checkpoint") is True:
         blockers.append(("zero_optimization.elastic_checkpoint", "true",
                          "elastic checkpoints re-split optimizer states as fp32 partition slices; 8-bit states are "

@@ -78,71 +78,31 @@ class PackedLayout:
         return views
 
 
-class EightBitStateSwapper(PartitionedOptimizerSwapper):
-    """DeepSpeed's partitioned optimizer swapper, with 8-bit states swapped packed at their size."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        # ds_id of the fp32 partition -> the pool buffer (fp32 elements) its packed state lives in
-        # between swap-in and swap-out.
-        self._resident_packed: dict[str, torch.Tensor] = {}
-
-    # --- what DeepSpeed's path must leave alone -------------------------------------------------
+class PackedStateSwapping:
+    """What both 8-bit swappers share: DeepSpeed's state list without the 8-bit tensors, and the
+    packed file, its layout, its pool buffer and the placeholders a swapped-out state leaves."""
 
     def _get_state_tensors(self, parameter):
         packed = {id(tensor) for tensor in self._eight_bit_state(parameter).values()}
         return [tensor for tensor in super()._get_state_tensors(parameter) if id(tensor) not in packed]
 
-    # --- swap-in, swap-out, release: DeepSpeed's, then the packed state -------------------------
-
-    def swap_in_optimizer_state(self, parameter, async_parameter=None):
-        super().swap_in_optimizer_state(parameter, async_parameter)
-        if self._manages_packed_state(parameter) and self._id(parameter) not in self._resident_packed:
-            self._read_packed_state(parameter)
-
-    def _swap_out_optimizer_state(self, swap_info):
-        parameter = swap_info.tensors[0].compute_tensor
-        if self._manages_packed_state(parameter):
-            self._write_packed_state(parameter, swap_info.numel())
-        super()._swap_out_optimizer_state(swap_info)
-
-    def release_swap_buffers(self, parameter):
-        super().release_swap_buffers(parameter)
-        buffer = self._resident_packed.pop(self._id(parameter), None)
-        if buffer is None:
-            return
-        state = self.optimizer.state[parameter]
-        for key in EIGHT_BIT_KEYS:
-            # Placeholders, as DeepSpeed leaves for swapped fp32 moments: checkpoints save them empty.
-            state[key] = torch.empty(0, dtype=state[key].dtype)
-        self.swap_buffer_manager.free([buffer])
-
-    # --- the packed file --------------------------------------------------------------------------
-
     def packed_path(self, parameter) -> str:
         return os.path.join(self.swap_folder, f"{self._id(parameter)}{PACKED_FILE_SUFFIX}")
 
-    def _read_packed_state(self, parameter) -> None:
+    def _check_packed_file(self, parameter) -> str:
         path = self.packed_path(parameter)
         if not os.path.isfile(path):
             raise FileNotFoundError(f"8-bit optimizer state of partition {self._id(parameter)} is swapped out, but "
                                     f"its file {path} is missing")
-        layout = self._layout(self._get_param_swap_info(parameter).numel())
-        buffer = self._allocate_packed_buffer(layout)
-        packed = self._packed_bytes(buffer, layout)
-        swap_in_tensors(self.aio_handle, [packed], [path])
-        assert self.aio_handle.wait() == 1, f"reading {path} failed"
-        self._resident_packed[self._id(parameter)] = buffer
-        self.optimizer.state[parameter].update(layout.views(packed))
+        return path
 
-    def _write_packed_state(self, parameter, numel: int) -> None:
-        """Write the state to its file; the first time, move it into a pool buffer first."""
-        layout = self._layout(numel)
+    def _packed_state_in(self, parameter, buffer: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(pool buffer, its packed bytes) holding the state of `parameter`: `buffer` where the state
+        already lives there, else a new pool buffer it is copied into (its first swap-out)."""
+        layout = self._layout(self._get_param_swap_info(parameter).numel())
         state = self.optimizer.state[parameter]
-        buffer = self._resident_packed.get(self._id(parameter))
         if buffer is None:
             buffer = self._allocate_packed_buffer(layout)
-            self._resident_packed[self._id(parameter)] = buffer
         packed = self._packed_bytes(buffer, layout)
         for key, view in layout.views(packed).items():
             if state[key].data_ptr() != view.data_ptr():
@@ -151,10 +111,13 @@ class EightBitStateSwapper(PartitionedOptimizerSwapper):
                                        f"{tuple(state[key].shape)}, expected {tuple(view.shape)}")
                 view.copy_(state[key])
                 state[key] = view
-        swap_out_tensors(self.aio_handle, [packed], [self.packed_path(parameter)])
-        assert self.aio_handle.wait() == 1, f"writing {self.packed_path(parameter)} failed"
+        return buffer, packed
 
-    # --- helpers ----------------------------------------------------------------------------------
+    def _leave_placeholders(self, parameter) -> None:
+        # As DeepSpeed leaves for swapped fp32 moments: checkpoints save them empty.
+        state = self.optimizer.state[parameter]
+        for key in EIGHT_BIT_KEYS:
+            state[key] = torch.empty(0, dtype=state[key].dtype)
 
     def _eight_bit_state(self, parameter) -> dict[str, torch.Tensor]:
         state = self.optimizer.state.get(parameter, {})
@@ -184,15 +147,62 @@ class EightBitStateSwapper(PartitionedOptimizerSwapper):
         return OptimizerSwapper.parameter_id(parameter)
 
 
+class EightBitStateSwapper(PackedStateSwapping, PartitionedOptimizerSwapper):
+    """DeepSpeed's partitioned optimizer swapper, with 8-bit states swapped packed at their size:
+    every read and write waited for where DeepSpeed's waits."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        # ds_id of the fp32 partition -> the pool buffer (fp32 elements) its packed state lives in
+        # between swap-in and swap-out.
+        self._resident_packed: dict[str, torch.Tensor] = {}
+
+    def swap_in_optimizer_state(self, parameter, async_parameter=None):
+        super().swap_in_optimizer_state(parameter, async_parameter)
+        if self._manages_packed_state(parameter) and self._id(parameter) not in self._resident_packed:
+            self._read_packed_state(parameter)
+
+    def _swap_out_optimizer_state(self, swap_info):
+        parameter = swap_info.tensors[0].compute_tensor
+        if self._manages_packed_state(parameter):
+            buffer, packed = self._packed_state_in(parameter, self._resident_packed.get(self._id(parameter)))
+            self._resident_packed[self._id(parameter)] = buffer
+            swap_out_tensors(self.aio_handle, [packed], [self.packed_path(parameter)])
+            assert self.aio_handle.wait() == 1, f"writing {self.packed_path(parameter)} failed"
+        super()._swap_out_optimizer_state(swap_info)
+
+    def release_swap_buffers(self, parameter):
+        super().release_swap_buffers(parameter)
+        buffer = self._resident_packed.pop(self._id(parameter), None)
+        if buffer is not None:
+            self._leave_placeholders(parameter)
+            self.swap_buffer_manager.free([buffer])
+
+    def _read_packed_state(self, parameter) -> None:
+        path = self._check_packed_file(parameter)
+        layout = self._layout(self._get_param_swap_info(parameter).numel())
+        buffer = self._allocate_packed_buffer(layout)
+        packed = self._packed_bytes(buffer, layout)
+        swap_in_tensors(self.aio_handle, [packed], [path])
+        assert self.aio_handle.wait() == 1, f"reading {path} failed"
+        self._resident_packed[self._id(parameter)] = buffer
+        self.optimizer.state[parameter].update(layout.views(packed))
+
+
 @contextmanager
 def eight_bit_state_swapping() -> Iterator[None]:
-    """While active, a ZeRO-3 optimizer being built swaps with `EightBitStateSwapper`.
+    """While active, a ZeRO-3 optimizer being built swaps with `EightBitStateSwapper`, or with
+    `EightBitPipelinedSwapper` where `pipeline_read` or `pipeline_write` is set.
 
-    `DeepSpeedZeroOptimizer_Stage3._configure_tensor_swapping` picks its swapper class from a
-    global of its module at construction; the swap (through lazyzero.patch_point) lasts only for that
+    `DeepSpeedZeroOptimizer_Stage3._configure_tensor_swapping` picks its swapper class from two
+    globals of its module at construction; the swaps (through lazyzero.patch_point) last only for that
     construction.
     """
     from deepspeed.runtime.zero import stage3
 
-    with swapped(stage3, "PartitionedOptimizerSwapper", EightBitStateSwapper, owner="lazyzero.optimizer (NVMe swap)"):
+    from lazyzero.optimizer.nvme_swap_pipelined import EightBitPipelinedSwapper
+
+    owner = "lazyzero.optimizer (NVMe swap)"
+    with swapped(stage3, "PartitionedOptimizerSwapper", EightBitStateSwapper, owner=owner), \
+            swapped(stage3, "PipelinedOptimizerSwapper", EightBitPipelinedSwapper, owner=owner):
         yield

@@ -5,8 +5,9 @@ only sub-groups whose fp32 partition is at least 1 MiB, so each rank's 524288-el
 1024 x 1024 matrix is swapped. With sub_group_size 300000 the 8-bit group has two swapped
 sub-groups and one small one that stays in memory; the biases keep fp32 states in memory.
 
-Usage (under the deepspeed launcher): optim8bit_nvme_worker.py MODE OUT [lazy]; writes
-OUT/MODE_rank<r>.json. With "lazy", the engines use lazyzero's lazy checkpoints.
+Usage (under the deepspeed launcher): optim8bit_nvme_worker.py MODE OUT [lazy] [pipelined]; writes
+OUT/MODE_rank<r>.json. With "lazy", the engines use lazyzero's lazy checkpoints; with "pipelined",
+save and load swap through the pipelined swapper (lazyzero/optimizer/nvme_swap_pipelined.py).
   offload: for "cpu" and "nvme": losses of 8 steps and the final parameters;
   swap_files: per state precision ("8bit", "fp32": every state fp32), the size of each optimizer
       swap file of this rank after 3 steps;
@@ -25,6 +26,7 @@ import torch.distributed as dist
 from optim8bit_worker import INPUTS, OUTPUTS, ds_config, full_parameters, train_step
 
 import lazyzero
+from lazyzero.config.optimizer_swap import pipelined_buffer_count
 from lazyzero.optimizer.nvme_swap import PACKED_FILE_SUFFIX
 from lazyzero.testing import destroy_engine, worker_args
 
@@ -39,9 +41,14 @@ def build_model() -> torch.nn.Module:
                                torch.nn.Linear(HIDDEN, OUTPUTS))
 
 
-def nvme_config(device: str, nvme_path: Path | None = None, min_8bit_size: int = 4096, lazy: bool = False) -> dict:
+def nvme_config(device: str, nvme_path: Path | None = None, min_8bit_size: int = 4096, lazy: bool = False,
+                pipelined: bool = False) -> dict:
     config = ds_config("3+" + device, min_8bit_size=min_8bit_size, lazy=lazy)
     config["zero_optimization"]["sub_group_size"] = SUB_GROUP_SIZE
+    if pipelined:
+        # DeepSpeed's pipelined swapper, 8-bit states through lazyzero's EightBitPipelinedSwapper.
+        config["zero_optimization"]["offload_optimizer"].update(
+            pipeline_read=True, pipeline_write=True, buffer_count=pipelined_buffer_count())
     # optim8bit_worker's 1e-2 drives the 1024-wide layers' losses to ~50 within 4 steps.
     config["optimizer"]["params"]["lr"] = 1e-3
     if nvme_path is not None:
@@ -70,17 +77,20 @@ def packed_state_digests(engine) -> dict[str, str]:
             for path in sorted(swap_folder(engine).glob(f"*{PACKED_FILE_SUFFIX}"))}
 
 
-def offload(out: Path, lazy: bool) -> dict:
+def offload(out: Path, lazy: bool, pipelined: bool) -> dict:
     results = {}
-    for device in ("cpu", "nvme"):
-        engine = new_engine(nvme_config(device, out / "nvme_offload"))
+    for device in ("cpu", "nvme", "nvme_pipelined"):
+        name, pipelined = device.removesuffix("_pipelined"), device.endswith("_pipelined")
+        engine = new_engine(nvme_config(name, out / f"{device}_offload", pipelined=pipelined))
         losses = [train_step(engine, step) for step in range(8)]
-        results[device] = {"losses": losses, "parameters": full_parameters(engine)}
+        results[device] = {"losses": losses, "parameters": full_parameters(engine),
+                           "swapper": type(getattr(engine.optimizer, "optimizer_swapper", None)).__name__,
+                           "packed_files": len(packed_state_digests(engine)) if device != "cpu" else 0}
         destroy_engine(engine)
     return results
 
 
-def swap_files(out: Path, lazy: bool) -> dict:
+def swap_files(out: Path, lazy: bool, pipelined: bool) -> dict:
     results = {}
     for precision, min_8bit_size in (("8bit", 4096), ("fp32", 10**9)):
         engine = new_engine(nvme_config("nvme", out / f"nvme_{precision}", min_8bit_size))
@@ -91,11 +101,11 @@ def swap_files(out: Path, lazy: bool) -> dict:
     return results
 
 
-def save(out: Path, lazy: bool) -> dict:
+def save(out: Path, lazy: bool, pipelined: bool) -> dict:
     """4 steps, save, 4 more: the losses, and the parameters and packed states the resume must reach.
     Then the same 4 steps with CPU optimizer offload (the same training, bit for bit) and a save of
     those to OUT/ckpt_cpu, for `reshard`."""
-    engine = new_engine(nvme_config("nvme", out / "nvme_first", lazy=lazy))
+    engine = new_engine(nvme_config("nvme", out / "nvme_first", lazy=lazy, pipelined=pipelined))
     first = [train_step(engine, step) for step in range(4)]
     engine.save_checkpoint(str(out / "ckpt"), tag="step4")
     continued = [train_step(engine, step) for step in range(4, 8)]
@@ -111,7 +121,7 @@ def save(out: Path, lazy: bool) -> dict:
     return result
 
 
-def reshard(out: Path, lazy: bool) -> dict:
+def reshard(out: Path, lazy: bool, pipelined: bool) -> dict:
     """On another number of ranks than `save`'s: its CPU-offload checkpoint loaded with CPU offload
     (the re-split of in-memory state), and its NVMe checkpoint loaded with NVMe offload (reading the
     saved swap files, writing this run's); 4 more steps each."""
@@ -127,10 +137,10 @@ def reshard(out: Path, lazy: bool) -> dict:
     return results
 
 
-def load(out: Path, lazy: bool) -> dict:
+def load(out: Path, lazy: bool, pipelined: bool) -> dict:
     """A fresh process (DeepSpeed names swap files by parameter ids, counted per process): a new
     engine on another nvme_path loads the save and runs the same 4 steps."""
-    engine = new_engine(nvme_config("nvme", out / "nvme_resumed", lazy=lazy))
+    engine = new_engine(nvme_config("nvme", out / "nvme_resumed", lazy=lazy, pipelined=pipelined))
     engine.load_checkpoint(str(out / "ckpt"), tag="step4")
     resumed = [train_step(engine, step) for step in range(4, 8)]
     result = {"resumed": resumed, "parameters": full_parameters(engine), "packed": packed_state_digests(engine)}
@@ -140,10 +150,10 @@ def load(out: Path, lazy: bool) -> dict:
 
 def main() -> None:
     args = worker_args()
-    mode, out, lazy = args[0], Path(args[1]), args[2:] == ["lazy"]
+    mode, out, options = args[0], Path(args[1]), set(args[2:])
     out.mkdir(parents=True, exist_ok=True)
     modes = {"offload": offload, "swap_files": swap_files, "save": save, "load": load, "reshard": reshard}
-    result = modes[mode](out, lazy)
+    result = modes[mode](out, "lazy" in options, "pipelined" in options)
     (out / f"{mode}_rank{dist.get_rank()}.json").write_text(json.dumps(result))
     dist.destroy_process_group()
 

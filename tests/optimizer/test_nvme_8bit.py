@@ -26,9 +26,14 @@ def run_worker(out: Path, mode: str, *options: str) -> list[dict]:
 
 def test_nvme_offload_trains_exactly_as_cpu_offload(tmp_path):
     for rank in run_worker(tmp_path, "offload"):
-        # Same host arithmetic on the same bytes: the swap files hold states and masters exactly.
-        assert rank["nvme"]["losses"] == rank["cpu"]["losses"]
-        assert rank["nvme"]["parameters"] == rank["cpu"]["parameters"]
+        # Same host arithmetic on the same bytes: the swap files hold states and masters exactly,
+        # also when the pipelined swapper reads the next sub-group while one steps.
+        for swapper in ("nvme", "nvme_pipelined"):
+            assert rank[swapper]["losses"] == rank["cpu"]["losses"], swapper
+            assert rank[swapper]["parameters"] == rank["cpu"]["parameters"], swapper
+            assert rank[swapper]["packed_files"] == 2, swapper
+        assert rank["nvme"]["swapper"] == "EightBitStateSwapper"
+        assert rank["nvme_pipelined"]["swapper"] == "EightBitPipelinedSwapper"
 
 
 def test_packed_8bit_swap_files_are_a_quarter_of_fp32_moments(tmp_path):
@@ -51,9 +56,9 @@ def deepspeed_save(tmp_path_factory) -> tuple[Path, list[dict]]:
     return out, run_worker(out, "save", "deepspeed")
 
 
-def check_resume(out: Path, saved: list[dict], checkpoints: str) -> None:
+def check_resume(out: Path, saved: list[dict], *options: str) -> None:
     # Another launch: DeepSpeed names swap files by parameter ids, which count up within a process.
-    loaded = run_worker(out, "load", checkpoints)
+    loaded = run_worker(out, "load", *options)
     for before, after in zip(saved, loaded):
         assert after["resumed"] == before["continued"]
         assert after["parameters"] == before["parameters"]
@@ -69,6 +74,13 @@ def test_resume_from_a_checkpoint_is_exact(deepspeed_save):
 @pytest.mark.slow
 def test_resume_from_a_lazy_checkpoint_is_exact(tmp_path):
     check_resume(tmp_path, run_worker(tmp_path, "save", "lazy"), "lazy")
+
+
+@pytest.mark.slow
+def test_resume_through_the_pipelined_swapper_is_exact(tmp_path):
+    """Saved and resumed with the pipelined swapper: its writes are complete when the checkpoint
+    copies the swap folder, and the restore reads every sub-group back through it."""
+    check_resume(tmp_path, run_worker(tmp_path, "save", "deepspeed", "pipelined"), "deepspeed", "pipelined")
 
 
 @pytest.mark.slow  # re-splitting 8-bit states on another rank count: tests/optimizer/test_engine_8bit.py

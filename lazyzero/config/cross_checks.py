@@ -131,8 +131,8 @@ def _pipelined_swap_buffer_problems(ds_config: dict) -> list[Problem]:
     return [Problem.conflict(
         "zero_optimization.offload_optimizer.buffer_count", count,
         f"at least {needed} while pipeline_read or pipeline_write is true and lazyzero.optimizer is enabled",
-        f"up to {PIPELINED_OPERATIONS_IN_FLIGHT} swap operations are in flight, each holding the fp32 master, the "
-        "gradient and the packed 8-bit state of a sub-group")]
+        f"up to {PIPELINED_OPERATIONS_IN_FLIGHT} swap operations are in flight, each holding a sub-group's fp32 "
+        "master, its gradient and its moments (fp32, or 8-bit packed in one buffer)")]
 
 
 def _eight_bit_state_blockers(ds_config: dict) -> list[tuple[str, str, str]]:

@@ -5,7 +5,10 @@ Each buffer holds the fp32 partition of the largest swapped sub-group. The parti
 swapper steps one sub-group at a time and waits for every read and write. The pipelined one
 (`pipeline_read` / `pipeline_write`) has up to three operations in flight: the sub-group stepping,
 the next one being read and the previous one being written. Each operation holds a buffer per fp32
-state tensor, one for the gradient and, for lazyzero's 8-bit states, one for the packed state.
+state tensor and one for the gradient: four for a sub-group with fp32 Adam moments (master and two
+moments), three for one with lazyzero's 8-bit states (master and the packed state). A run with the
+8-bit optimizer has both kinds: the tensors `fraction_8bit` leaves out keep fp32 moments
+(lazyzero/optimizer/state_policy.py), wherever they are placed.
 """
 
 from __future__ import annotations
@@ -13,15 +16,13 @@ from __future__ import annotations
 # DeepSpeed's default `offload_optimizer.buffer_count`.
 PARTITIONED_BUFFER_COUNT = 4
 PIPELINED_OPERATIONS_IN_FLIGHT = 3
-# The fp32 master alone: the 8-bit moments travel packed in a buffer of their own.
-EIGHT_BIT_STATE_TENSORS = 1
+# The fp32 master and two Adam moments, and the gradient: the larger of the two kinds above.
+BUFFERS_PER_OPERATION = 4
 
 
-def pipelined_buffer_count(state_tensors: int = EIGHT_BIT_STATE_TENSORS, packed: bool = True) -> int:
-    """Pool buffers the pipelined swapper needs when each swapped sub-group has `state_tensors` fp32
-    tensors (the master; plus two moments where a group keeps fp32 Adam states), with a packed 8-bit
-    state buffer per operation where `packed`."""
-    return PIPELINED_OPERATIONS_IN_FLIGHT * (state_tensors + 1 + int(packed))
+def pipelined_buffer_count() -> int:
+    """Pool buffers the pipelined swapper needs for Adam's sub-groups of either state precision."""
+    return PIPELINED_OPERATIONS_IN_FLIGHT * BUFFERS_PER_OPERATION
 
 
 def is_pipelined(offload_optimizer: dict) -> bool:

@@ -10,8 +10,8 @@ more read or write on the operation's aio handle, one more pool buffer that the 
 it is waited for. Files, layout and placeholders are those of `EightBitStateSwapper`, so a swap
 folder written by one is read by the other.
 
-Pool buffers: one more per operation in flight than DeepSpeed's own pipelined swapper needs
-(lazyzero/config/optimizer_swap.py, `pipelined_buffer_count`).
+Pool buffers: a sub-group with packed 8-bit states holds three per operation in flight (master,
+gradient, packed state), one with fp32 moments four (lazyzero/config/optimizer_swap.py).
 """
 
 from __future__ import annotations

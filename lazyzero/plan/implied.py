@@ -32,11 +32,9 @@ _ACTIVATION_DEFAULTS = ActivationsConfig()
 PARAM_SWAP_BUFFERS_PER_TENSOR = 2
 # Buffers of DeepSpeed's NVMe optimizer swapper, each one fp32 partition of the largest swapped
 # sub-group (the planner counts them as the swapper's staging memory): as many as the pipelined
-# swapper of 8-bit states needs, which a plan whose swapped states are all 8-bit runs with; the
-# calibration engines hold as many, so that the memory they measure is the planned run's.
+# swapper needs (lazyzero/config/optimizer_swap.py), which a plan whose swapped states are all 8-bit
+# runs with; the calibration engines hold as many, so that the memory they measure is the planned run's.
 OPTIMIZER_SWAP_BUFFERS = pipelined_buffer_count()
-# DeepSpeed's swapped fp32 Adam states of a sub-group: the master and two moments.
-FP32_ADAM_STATE_TENSORS = 3
 
 
 class PlanNotExpressible(ValueError):
@@ -179,12 +177,9 @@ def nvme_calibration_ds_config(calibration: dict, sizes: ModelSizes, nvme_path: 
     config = copy.deepcopy(calibration)
     zero = config["zero_optimization"]
     # Swapped as a plan swaps its 8-bit states (`_optimizer_swap_settings`): pipelined, so that the
-    # speed this engine prices NVMe at includes the overlap. Its states are DeepSpeed's fp32 moments,
-    # with buffers for them; no memory of this engine is calibrated, only its time.
+    # speed this engine prices NVMe at includes the overlap (its states are DeepSpeed's fp32 moments).
     zero["offload_optimizer"] = {**zero["offload_optimizer"], "nvme_path": nvme_path, "pipeline_read": True,
-                                 "pipeline_write": True,
-                                 "buffer_count": pipelined_buffer_count(state_tensors=FP32_ADAM_STATE_TENSORS,
-                                                                        packed=False)}
+                                 "pipeline_write": True, "buffer_count": OPTIMIZER_SWAP_BUFFERS}
     if parameters:
         zero["offload_param"] = _nvme_param_section(_offload_section("nvme", nvme_path, "parameters"), sizes)
         zero.update(_transient_memory_settings(sizes, True))

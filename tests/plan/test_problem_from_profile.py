@@ -142,8 +142,8 @@ def test_workspace_is_the_process_plus_what_every_plan_holds(problem, tmp_path):
     largest_tensor = math.ceil(max(HEAD_TENSORS.values()) / 2)
     # A sub-group closes once it reaches one layer's partition: at most that - 1 plus one tensor.
     group = math.ceil(numel / 2) - 1 + largest_tensor
-    # The pipelined swapper's buffers for 8-bit states: 3 operations x (master, gradient, packed state).
-    optimizer_swap = 9 * aligned(group, 4) * 4
+    # The pipelined swapper's buffers: 3 operations x (master, gradient, two fp32 moments).
+    optimizer_swap = 12 * aligned(group, 4) * 4
     expected = (400 * MB                      # the process without the model it held when profiled
                 + (2 * numel + head) * 2       # two gathered layers and the head, bf16
                 + 5 * MB                       # the larger temporaries of a layer

@@ -119,8 +119,8 @@ def _optimizer_conflicts(config: LazyZeroConfig, ds_config: dict) -> list[Proble
 
 
 def _pipelined_swap_buffer_problems(ds_config: dict) -> list[Problem]:
-    """8-bit states swapped by the pipelined swapper take one pool buffer more per operation in
-    flight than DeepSpeed's own (lazyzero/config/optimizer_swap.py); too few stop the first step."""
+    """The pipelined swapper holds up to three operations of four buffers each
+    (lazyzero/config/optimizer_swap.py); too few stop the first step with an assertion."""
     zero = ds_config.get("zero_optimization")
     offload = zero.get("offload_optimizer") if isinstance(zero, dict) else None
     if not (isinstance(offload, dict) and offload.get("device") == "nvme" and is_pipelined(offload)):

@@ -1,5 +1,5 @@
-"""How many pool buffers DeepSpeed's NVMe optimizer swappers need, for the config check, the planner
-and the swappers themselves (lazyzero/optimizer/nvme_swap_pipelined.py).
+"""How many pool buffers DeepSpeed's NVMe optimizer swappers need, for the config check and the
+swappers themselves (lazyzero/optimizer/nvme_swap_pipelined.py).
 
 Each buffer holds the fp32 partition of the largest swapped sub-group. The partitioned (default)
 swapper steps one sub-group at a time and waits for every read and write. The pipelined one

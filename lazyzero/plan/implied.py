@@ -21,7 +21,6 @@ from collections import Counter
 from dataclasses import dataclass
 
 from lazyzero.config.models import ActivationsConfig
-from lazyzero.config.optimizer_swap import PARTITIONED_BUFFER_COUNT, pipelined_buffer_count
 from lazyzero.plan.costs import decoder_layer_index
 from lazyzero.plan.problem import Plan, PlanProblem
 
@@ -31,10 +30,8 @@ _ACTIVATION_DEFAULTS = ActivationsConfig()
 # notes (docs/deepspeed-internals.md) found about one per tensor of a layer too few.
 PARAM_SWAP_BUFFERS_PER_TENSOR = 2
 # Buffers of DeepSpeed's NVMe optimizer swapper, each one fp32 partition of the largest swapped
-# sub-group (the planner counts them as the swapper's staging memory): as many as the pipelined
-# swapper needs (lazyzero/config/optimizer_swap.py), which a plan whose swapped states are all 8-bit
-# runs with; the calibration engines hold as many, so that the memory they measure is the planned run's.
-OPTIMIZER_SWAP_BUFFERS = pipelined_buffer_count()
+# sub-group (its default; the planner counts them as the swapper's staging memory).
+OPTIMIZER_SWAP_BUFFERS = 4
 
 
 class PlanNotExpressible(ValueError):
@@ -142,19 +139,9 @@ def _set_optimizer_offload(zero: dict, problem: PlanProblem, plan: Plan, nvme_pa
     if problem.machine.nvme_state_takes_grads and section["device"] == "none":
         section = _offload_section("nvme", nvme_path, "optimizer states")
     if section["device"] == "nvme":
-        section.update(_optimizer_swap_settings(plan))
+        section["buffer_count"] = OPTIMIZER_SWAP_BUFFERS
     zero["offload_optimizer"] = section
     return nvme_layers
-
-
-def _optimizer_swap_settings(plan: Plan) -> dict:
-    """Pipelined (the disk reads the next sub-group and writes the last while one steps) unless the
-    plan swaps fp32 states: lazyzero's pipelined swapper of 8-bit states then holds
-    OPTIMIZER_SWAP_BUFFERS, as the problem counts. Swapped fp32 states (the baselines' plans) take
-    DeepSpeed's default swapper and buffer count; the problem then counts more than the run holds."""
-    if all(lp.state_8bit for lp in plan.layers if lp.state_tier == "nvme"):
-        return {"pipeline_read": True, "pipeline_write": True, "buffer_count": OPTIMIZER_SWAP_BUFFERS}
-    return {"buffer_count": PARTITIONED_BUFFER_COUNT}
 
 
 def calibration_ds_config(base: dict, sizes: ModelSizes, nvme_path: str | None, offload_to_nvme: bool) -> dict:
@@ -176,10 +163,7 @@ def nvme_calibration_ds_config(calibration: dict, sizes: ModelSizes, nvme_path: 
     decoder layers are swapped (engine_calibration.py)."""
     config = copy.deepcopy(calibration)
     zero = config["zero_optimization"]
-    # Swapped as a plan swaps its 8-bit states (`_optimizer_swap_settings`): pipelined, so that the
-    # speed this engine prices NVMe at includes the overlap (its states are DeepSpeed's fp32 moments).
-    zero["offload_optimizer"] = {**zero["offload_optimizer"], "nvme_path": nvme_path, "pipeline_read": True,
-                                 "pipeline_write": True, "buffer_count": OPTIMIZER_SWAP_BUFFERS}
+    zero["offload_optimizer"] = {**zero["offload_optimizer"], "nvme_path": nvme_path}
     if parameters:
         zero["offload_param"] = _nvme_param_section(_offload_section("nvme", nvme_path, "parameters"), sizes)
         zero.update(_transient_memory_settings(sizes, True))

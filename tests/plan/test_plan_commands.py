@@ -11,7 +11,7 @@ from lazyzero.config import ActivationsConfig, check_config_file
 from lazyzero.models.presets import PRESETS
 from lazyzero.plan import LayerPlan, Plan, check_within_budgets, deepspeed_default_plan
 from lazyzero.plan.costs import EMBED_AND_HEAD, problem_from_preset
-from lazyzero.plan.implied import OPTIMIZER_SWAP_BUFFERS, eight_bit_share, implied_ds_config
+from lazyzero.plan.implied import eight_bit_share, implied_ds_config
 from lazyzero.plan.simulate import evaluate_layers
 
 GB = 10**9
@@ -113,27 +113,6 @@ def test_implied_config_offloads_to_nvme_where_most_bytes_live(tmp_path):
         assert config["zero_optimization"][section]["device"] == "nvme"
         assert config["zero_optimization"][section]["nvme_path"] == str(tmp_path)
     assert "optimizer" not in config["lazyzero"] and "activations" not in config["lazyzero"]
-    # fp32 states swapped: DeepSpeed's default swapper, not pipelined, with its default buffers.
-    offload = config["zero_optimization"]["offload_optimizer"]
-    assert offload["buffer_count"] == 4 and "pipeline_read" not in offload and "pipeline_write" not in offload
-    path = tmp_path / "ds_config.json"
-    path.write_text(json.dumps(config))
-    check_config_file(path)
-
-
-def test_a_plan_swapping_8bit_states_only_pipelines_the_swap(tmp_path):
-    """Every swapped state 8-bit: lazyzero's pipelined swapper, with the buffers the problem counts
-    (3 operations in flight x the master, the gradient and fp32 moments, which the tensors that
-    fraction_8bit leaves out keep); a config that passes the config check."""
-    problem = problem_from_preset("7b", gpu_mem=80 * GB, cpu_mem=10 * GB, nvme_path=str(tmp_path), seq=4096,
-                                  micro_batch=1, **SPEEDS)
-    swapped_8bit = LayerPlan("keep", 16, "gpu", "nvme", "nvme", True)
-    plan = evaluate_layers(problem, [swapped_8bit] * len(problem.layers), "greedy")
-    config = implied_ds_config(problem, plan, nvme_path=str(tmp_path))
-    offload = config["zero_optimization"]["offload_optimizer"]
-    assert offload["device"] == "nvme" and offload["pipeline_read"] and offload["pipeline_write"]
-    assert offload["buffer_count"] == OPTIMIZER_SWAP_BUFFERS == 12
-    assert config["lazyzero"]["optimizer"]["enabled"]
     path = tmp_path / "ds_config.json"
     path.write_text(json.dumps(config))
     check_config_file(path)

@@ -96,6 +96,17 @@ class PackedStateSwapping:
                                     f"its file {path} is missing")
         return path
 
+    def _submit_packed_read(self, aio_handle, parameter) -> torch.Tensor:
+        """Start reading the state's file into a new pool buffer, point the state at the bytes it
+        receives (read only after the handle is waited for) and return the buffer."""
+        path = self._check_packed_file(parameter)
+        layout = self._layout(self._get_param_swap_info(parameter).numel())
+        buffer = self._allocate_packed_buffer(layout)
+        packed = self._packed_bytes(buffer, layout)
+        swap_in_tensors(aio_handle, [packed], [path])
+        self.optimizer.state[parameter].update(layout.views(packed))
+        return buffer
+
     def _packed_state_in(self, parameter, buffer: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """(pool buffer, its packed bytes) holding the state of `parameter`: `buffer` where the state
         already lives there, else a new pool buffer it is copied into (its first swap-out)."""
@@ -179,14 +190,9 @@ class EightBitStateSwapper(PackedStateSwapping, PartitionedOptimizerSwapper):
             self.swap_buffer_manager.free([buffer])
 
     def _read_packed_state(self, parameter) -> None:
-        path = self._check_packed_file(parameter)
-        layout = self._layout(self._get_param_swap_info(parameter).numel())
-        buffer = self._allocate_packed_buffer(layout)
-        packed = self._packed_bytes(buffer, layout)
-        swap_in_tensors(self.aio_handle, [packed], [path])
-        assert self.aio_handle.wait() == 1, f"reading {path} failed"
+        buffer = self._submit_packed_read(self.aio_handle, parameter)
+        assert self.aio_handle.wait() == 1, f"reading {self.packed_path(parameter)} failed"
         self._resident_packed[self._id(parameter)] = buffer
-        self.optimizer.state[parameter].update(layout.views(packed))
 
 
 @contextmanager

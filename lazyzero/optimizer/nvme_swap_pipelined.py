@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 from deepspeed.runtime.swap_tensor.pipelined_optimizer_swapper import SYNC_SWAP_IN, PipelinedOptimizerSwapper
-from deepspeed.runtime.swap_tensor.utils import swap_in_tensors, swap_out_tensors
+from deepspeed.runtime.swap_tensor.utils import swap_out_tensors
 
 from lazyzero.optimizer.nvme_swap import PackedStateSwapping
 
@@ -36,17 +36,12 @@ class EightBitPipelinedSwapper(PackedStateSwapping, PipelinedOptimizerSwapper):
         operation = super()._swap_in_optimizer_state(aio_handle, parameter)
         if operation is None or not self._manages_packed_state(parameter):
             return operation
-        path = self._check_packed_file(parameter)
-        layout = self._layout(operation.param_info.numel())
-        buffer = self._allocate_packed_buffer(layout)
-        packed = self._packed_bytes(buffer, layout)
-        swap_in_tensors(aio_handle, [packed], [path])
+        # The step reads the state only after the operation is waited for.
+        buffer = self._submit_packed_read(aio_handle, parameter)
         operation.num_ops += 1
         # Freed with the operation's buffers when a later write completes (or the state is dropped).
         operation.allocated_buffers.append(buffer)
         self._packed_buffers[self._id(parameter)] = buffer
-        # Views of bytes still arriving: the step reads them only after the operation is waited for.
-        self.optimizer.state[parameter].update(layout.views(packed))
         return operation
 
     def _swap_out_optimizer_state(self, aio_handle, parameter, swap_in_op):

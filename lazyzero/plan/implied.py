@@ -21,6 +21,7 @@ from collections import Counter
 from dataclasses import dataclass
 
 from lazyzero.config.models import ActivationsConfig
+from lazyzero.config.optimizer_swap import PARTITIONED_BUFFER_COUNT
 from lazyzero.plan.costs import decoder_layer_index
 from lazyzero.plan.problem import Plan, PlanProblem
 
@@ -31,7 +32,7 @@ _ACTIVATION_DEFAULTS = ActivationsConfig()
 PARAM_SWAP_BUFFERS_PER_TENSOR = 2
 # Buffers of DeepSpeed's NVMe optimizer swapper, each one fp32 partition of the largest swapped
 # sub-group (its default; the planner counts them as the swapper's staging memory).
-OPTIMIZER_SWAP_BUFFERS = 4
+OPTIMIZER_SWAP_BUFFERS = PARTITIONED_BUFFER_COUNT
 
 
 class PlanNotExpressible(ValueError):

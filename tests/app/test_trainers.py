@@ -130,6 +130,8 @@ def test_tensorboard_event_file_has_the_lazyzero_tags(tmp_path):
 RESUME_STEPS = 6  # saves at steps 2, 4 and 6
 
 
+# A kill mid-write leaves the previous checkpoint in the default suite: tests/checkpoint/test_crash_failpoints.py.
+@pytest.mark.slow
 @pytest.mark.multiproc
 def test_a_trainer_run_killed_during_a_background_write_resumes_from_the_last_committed_checkpoint(tmp_path):
     """save_steps 2, save_total_limit 1: the run is SIGKILLed in the middle of writing the checkpoint of

@@ -131,6 +131,8 @@ def _add_leftovers(save_dir):
     return leftovers
 
 
+# A resume removing what a crash left is in the default suite: tests/checkpoint/test_crash_failpoints.py.
+@pytest.mark.slow
 def test_resume_skips_a_missing_latest_and_removes_leftovers_with_warnings(save_dir, tmp_path, lazy_train,
                                                                            read_run_metrics):
     (save_dir / "latest").write_text("step9")

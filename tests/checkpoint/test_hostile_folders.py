@@ -216,8 +216,10 @@ def test_a_real_engine_refuses_a_model_file_that_would_run_code(tmp_path, lazy):
     assert not marker.exists()
 
 
+# The tag rule itself is in the default suite (test_tags_are_plain_folder_names above).
+@pytest.mark.slow
 @pytest.mark.multiproc
-@pytest.mark.parametrize("lazy", LAZY_OFF_THEN_ON)
+@pytest.mark.parametrize("lazy", ["0", "1"])
 def test_a_save_tag_leading_outside_is_refused_before_anything_is_written(tmp_path, lazy):
     save_dir = tmp_path / "save"
     proc = run_distributed("deepspeed", 1, [str(WORKER), "save_outside", str(save_dir), lazy], timeout=300)

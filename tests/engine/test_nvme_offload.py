@@ -11,6 +11,9 @@ from lazyzero.testing import run_distributed
 WORKER = Path(__file__).resolve().parent / "nvme_worker.py"
 
 
+# Parameters and optimizer states on NVMe during training are in the default suite:
+# tests/plan/test_zero_placement.py and tests/optimizer/test_nvme_8bit.py.
+@pytest.mark.slow
 @pytest.mark.multiproc
 @pytest.mark.skipif(not Path("/usr/include/libaio.h").exists(),
                     reason="NVMe offload needs libaio-dev (.ci/run installs it)")

@@ -36,7 +36,25 @@ SETTINGS = {
     "2+ef": "average_tensor",
     "3+ef": "_DeepSpeedZeroOptimizer_Stage3__avg_scatter_grads",
 }
+# One setting per stage, precision path and DeepSpeed method in the default suite (a setting costs
+# about 4 s of the one launch); the rest are slow.
+DEFAULT_SETTINGS = {"0+predivide", "1+bf16", "2+cpu", "3", "3+contiguous+predivide", "2+ef"}
 ERROR_FEEDBACK = [setting for setting in SETTINGS if "ef" in setting.split("+")]
+
+
+def params(settings) -> list:
+    return [pytest.param(setting, id=setting, marks=() if setting in DEFAULT_SETTINGS else pytest.mark.slow)
+            for setting in settings]
+
+
+def selected_settings(request) -> list[str]:
+    """The settings of this module's tests that were selected (-m, -k): only they are launched."""
+    chosen = set()
+    for item in request.session.items:
+        callspec = getattr(item, "callspec", None)
+        if item.module is request.module and callspec is not None:
+            chosen.add(callspec.params.get("setting"))
+    return [setting for setting in SETTINGS if setting in chosen] or sorted(DEFAULT_SETTINGS)
 NAN_STEP = 2
 # The largest floating-point tensor an int8 run may hand to a torch.distributed reduction: the
 # scalars of the gradient norm and of the overflow agreement, never a gradient bucket.
@@ -44,15 +62,15 @@ SCALAR = 1
 
 
 @pytest.fixture(scope="module")
-def ranks(tmp_path_factory):
+def ranks(request, tmp_path_factory):
     out = tmp_path_factory.mktemp("int8_gradients")
-    proc = run_distributed("deepspeed", 2, [str(WORKER), str(out), *SETTINGS], timeout=600)
+    proc = run_distributed("deepspeed", 2, [str(WORKER), str(out), *selected_settings(request)], timeout=600)
     assert proc.returncode == 0, proc.stdout[-4000:]
     return [json.loads((out / f"rank{rank}.json").read_text()) for rank in (0, 1)]
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("setting", SETTINGS)
+@pytest.mark.parametrize("setting", params(SETTINGS))
 def test_int8_run_never_calls_deepspeeds_full_precision_reduction(ranks, setting):
     for result in ranks:
         runs = result[setting]
@@ -63,7 +81,7 @@ def test_int8_run_never_calls_deepspeeds_full_precision_reduction(ranks, setting
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("setting", SETTINGS)
+@pytest.mark.parametrize("setting", params(SETTINGS))
 def test_int8_averaged_gradient_matches_deepspeeds_fp32_average(ranks, setting):
     # Same parameters and data in both runs at step 0: only the reduction differs. Also checks
     # that the averaging and predivide factors are DeepSpeed's.
@@ -72,7 +90,7 @@ def test_int8_averaged_gradient_matches_deepspeeds_fp32_average(ranks, setting):
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("setting", SETTINGS)
+@pytest.mark.parametrize("setting", params(SETTINGS))
 def test_int8_run_trains_close_to_fp32_with_a_quarter_of_the_bytes(ranks, setting):
     for result in ranks:
         fp32, int8 = result[setting]["fp32"]["losses"], result[setting]["int8"]["losses"]
@@ -87,7 +105,7 @@ def test_int8_run_trains_close_to_fp32_with_a_quarter_of_the_bytes(ranks, settin
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("setting", SETTINGS)
+@pytest.mark.parametrize("setting", params(SETTINGS))
 def test_nan_on_one_rank_skips_the_step_on_every_rank(ranks, setting):
     for result in ranks:
         nan = result[setting]["nan"]
@@ -107,7 +125,7 @@ def test_stage_2_without_contiguous_gradients_is_refused_not_sent_in_fp32(ranks)
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("setting", ERROR_FEEDBACK)
+@pytest.mark.parametrize("setting", params(ERROR_FEEDBACK))
 def test_error_feedback_carries_residuals_and_drops_them_after_a_skipped_step(ranks, setting):
     for result in ranks:
         carried = result[setting]["int8"]["residual_norms"]

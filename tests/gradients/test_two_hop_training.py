@@ -28,6 +28,8 @@ def _check_trained(output_dir: Path) -> None:
         assert 0 < record["grad_wire_bytes"] <= 0.27 * record["grad_fp32_wire_bytes"]
 
 
+# The two-hop exchange on 2 x 2 real ranks is in the default suite: tests/gradients/test_two_hop.py.
+@pytest.mark.slow
 @pytest.mark.multiproc
 def test_layout_from_a_two_node_deepspeed_launch(tmp_path):
     # cpu_demo_int8.json leaves ranks_per_node null: the per-node launchers' LOCAL_SIZE decides.

@@ -74,8 +74,14 @@ def brute_force(problem: PlanProblem):
     return best
 
 
-@pytest.mark.parametrize("seed,gpu_fraction,param_swap", [(0, 0.5, 0), (0, 0.6, 0), (1, 0.6, 0), (3, 0.4, 0),
-                                                         (3, 0.5, 0), (3, 0.45, GB // 10), (1, 0.6, GB // 5)])
+# About 5 s an instance: one of each kind (no parameter swap, a tight budget, parameters swapped) is
+# in the default suite, the rest are slow.
+RUNTIME_INSTANCES = [(0, 0.5, 0), (3, 0.4, 0), (1, 0.6, GB // 5),
+                     *(pytest.param(*instance, marks=pytest.mark.slow)
+                       for instance in [(0, 0.6, 0), (1, 0.6, 0), (3, 0.5, 0), (3, 0.45, GB // 10)])]
+
+
+@pytest.mark.parametrize("seed,gpu_fraction,param_swap", RUNTIME_INSTANCES)
 def test_milp_and_simulator_agree_on_the_runtime_terms(seed, gpu_fraction, param_swap):
     problem = runtime_problem(seed, 3, gpu_fraction, param_swap_bytes=param_swap)
     expected = brute_force(problem)

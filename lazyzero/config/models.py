@@ -114,8 +114,8 @@ class PlanConfig(ConfigSection):
     prediction."""
 
     replan: bool = True
-    """Plan again, with the measurements, when they differ from the prediction by more than `replan_margin`
-    (activation choices only: placements are fixed once DeepSpeed is built)."""
+    """Plan again, with the measurements, when they differ from the prediction by more than `replan_margin` in two
+    checks in a row (activation choices only: placements are fixed once DeepSpeed is built)."""
 
     replan_margin: float = Field(0.15, gt=0)
     """Relative difference between measured and predicted step time or peak memory that triggers a new plan."""

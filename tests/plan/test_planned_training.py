@@ -92,7 +92,9 @@ def test_a_given_plan_is_realized_and_measured_then_replanned(tmp_path):
     assert tiers["optimizer_nvme_elements"] > 0 and tiers["param_nvme_elements"] > 0
     assert tiers["optimizer_memory_elements"] > 0 and tiers["param_memory_elements"] > 0
     checks = report["plan_checks"]
-    assert checks[0]["replanned"] and checks[0]["predicted_step_s"] > 0 and checks[0]["measured_peak_bytes"] > 0
+    # Every check is beyond the margin of 1e-6; the second in a row confirms it (monitor.CONFIRMING_CHECKS).
+    assert not checks[0]["replanned"] and checks[1]["replanned"]
+    assert checks[0]["predicted_step_s"] > 0 and checks[0]["measured_peak_bytes"] > 0
     # The profile's engine calibration ran engines with their decoder layers swapped, and with their
     # parameters alone swapped (their NVMe speeds price the plan's swaps), and removed their swap files.
     from lazyzero.plan.profile.profiler import read_profile

@@ -1,0 +1,84 @@
+"""The planned run's re-plan decision (lazyzero/plan/monitor.py): a re-plan needs CONFIRMING_CHECKS
+checks in a row beyond `replan_margin`, and calibrates with the confirming step time closest to the
+prediction. The monitor runs on a one-process gloo group (its all-reduce is real); what a re-plan
+then solves is the planned-run tests' (tests/plan/test_planned_training.py)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from lazyzero.config import PlanConfig
+from lazyzero.plan import monitor
+from lazyzero.plan.monitor import CONFIRMING_CHECKS, MAX_REPLANS, PlanMonitor
+
+PREDICTED_STEP_S = 1.0
+PEAK_BYTES = 1e9
+
+
+@pytest.fixture
+def one_rank_group(tmp_path):
+    if torch.distributed.is_initialized():
+        yield
+        return
+    store = torch.distributed.FileStore(str(tmp_path / "store"), 1)
+    torch.distributed.init_process_group("gloo", store=store, rank=0, world_size=1)
+    yield
+    torch.distributed.destroy_process_group()
+
+
+def run_checks(monkeypatch, step_times: list[float]) -> tuple[PlanMonitor, list[float]]:
+    """A monitor comparing one step at a time (measure_steps 1: each check times the step after the one
+    that starts its window), whose checks' steps take `step_times` in turn, at the predicted peak;
+    returns it and the step times its re-plans calibrated with."""
+    ends = []
+    for index, step_s in enumerate(step_times):
+        ends += [10.0 * index, 10.0 * index + step_s]
+    clock = iter(ends)
+    monkeypatch.setattr(monitor.time, "perf_counter", lambda: next(clock))
+    monkeypatch.setattr(monitor, "predicted_compute_peak", lambda problem, plan, taken: PEAK_BYTES)
+    monkeypatch.setattr(monitor, "_peak", lambda: int(PEAK_BYTES))
+    monkeypatch.setattr(monitor, "_reset_peak", lambda: None)
+    replanned_with: list[float] = []
+
+    def fake_replan(self, engine, check, step_s):
+        replanned_with.append(step_s)
+        self._plan_index += 1
+
+    monkeypatch.setattr(PlanMonitor, "_replan", fake_replan)
+    config = SimpleNamespace(plan=PlanConfig(measure_steps=1, replan_margin=0.15))
+    active = SimpleNamespace(lazyzero_config=config, problem=None,
+                             plan=SimpleNamespace(predicted_step_s=PREDICTED_STEP_S))
+    watcher = PlanMonitor(active)
+    engine = SimpleNamespace(device=torch.device("cpu"), global_rank=1, checkpoint_engine=None)
+    for _ in ends:
+        watcher.after_optimizer_step(engine)
+    return watcher, replanned_with
+
+
+def test_one_check_beyond_the_margin_does_not_replan(one_rank_group, monkeypatch):
+    watcher, replanned_with = run_checks(monkeypatch, [1.0, 1.4, 1.0, 1.0, 1.35, 0.95])
+    assert len(watcher.checks) == 6 and replanned_with == []
+    assert [check.replanned for check in watcher.checks] == [False] * 6
+
+
+def test_consecutive_checks_beyond_the_margin_replan_with_the_closer_one(one_rank_group, monkeypatch):
+    assert CONFIRMING_CHECKS == 2
+    watcher, replanned_with = run_checks(monkeypatch, [1.0, 1.3, 1.2, 1.0])
+    assert [check.replanned for check in watcher.checks] == [False, False, True, False]
+    assert replanned_with == [pytest.approx(1.2)]
+
+
+def test_a_check_within_the_margin_resets_the_count(one_rank_group, monkeypatch):
+    watcher, replanned_with = run_checks(monkeypatch, [1.3, 1.1, 1.3, 0.8, 0.7])
+    assert [check.replanned for check in watcher.checks] == [False, False, False, True, False]
+    # A fast step is as far off as a slow one: 0.8 is 20% under, 0.7 is 30% under the prediction.
+    assert replanned_with == [pytest.approx(0.8)]
+
+
+def test_replans_stop_at_the_limit(one_rank_group, monkeypatch):
+    watcher, replanned_with = run_checks(monkeypatch, [1.5] * (2 * CONFIRMING_CHECKS * MAX_REPLANS))
+    assert len(replanned_with) == MAX_REPLANS
+    assert sum(check.replanned for check in watcher.checks) == MAX_REPLANS

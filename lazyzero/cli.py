@@ -52,9 +52,9 @@ def _config_reference(args: argparse.Namespace) -> int:
 
 
 def _ops_build(args: argparse.Namespace) -> int:
-    from lazyzero.ops import native_build
+    from lazyzero.ops import deepspeed_ops, native_build
 
-    statuses = native_build.build(verbose=not args.quiet)
+    statuses = native_build.build(verbose=not args.quiet) + deepspeed_ops.build_run_ops(verbose=not args.quiet)
     print(native_build.format_status(statuses))
     return 1 if any(s.state == "failed" for s in statuses) else 0
 
@@ -142,7 +142,8 @@ def build_parser() -> argparse.ArgumentParser:
     reference.set_defaults(func=_config_reference)
 
     ops = sub.add_parser("ops", help="build or inspect the native ops").add_subparsers(dest="action", required=True)
-    ops_build = ops.add_parser("build", help="compile the C++ (and, with a GPU, CUDA) kernels now")
+    ops_build = ops.add_parser("build", help="compile the C++ (and, with a GPU, CUDA) kernels now, "
+                                                  "and the DeepSpeed ops runs load")
     ops_build.add_argument("--quiet", action="store_true")
     ops_build.set_defaults(func=_ops_build)
     ops.add_parser("status", help="which backends are built, and if not, why").set_defaults(func=_ops_status)

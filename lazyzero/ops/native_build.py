@@ -66,7 +66,7 @@ class BackendStatus:
     """Where one backend's native library stands, as `lazyzero ops status` reports it."""
 
     backend: str
-    """"cpu" or "cuda"."""
+    """"cpu" or "cuda"; for DeepSpeed's ops (lazyzero/ops/deepspeed_ops.py) "ds:" and the op's name."""
     state: State
     """loaded: kernels registered in this process; built: library on disk, not loaded yet;
     not built: nothing stops a build; failed: the last build failed; unavailable: cannot build
@@ -232,12 +232,13 @@ def status() -> list[BackendStatus]:
 
 def format_status(statuses: list[BackendStatus]) -> str:
     """One aligned line per backend: name, state, then the library path or the reason."""
+    width = max([5, *(len(entry.backend) for entry in statuses)])
     lines = []
     for entry in statuses:
-        detail = str(entry.path) if entry.state == "loaded" else entry.reason
+        detail = str(entry.path) if entry.state == "loaded" and entry.path else entry.reason
         if entry.state == "built":
             detail = f"{entry.path} ({entry.reason})"
-        lines.append(f"{entry.backend:<5} {entry.state:<12} {detail}")
+        lines.append(f"{entry.backend:<{width}} {entry.state:<12} {detail}")
     return "\n".join(lines)
 
 

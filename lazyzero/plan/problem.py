@@ -199,6 +199,10 @@ class Machine:
     nvme_state_takes_grads: bool = False
     """Without a host tier, a layer whose optimizer state is on NVMe has its gradients written there
     after its backward and read back for the step (DeepSpeed's NVMe optimizer swapper)."""
+    nvme_grads_resident: bool = False
+    """With `nvme_state_takes_grads`: the step of such a layer reads its gradients from DeepSpeed's flat
+    gradient partition in host memory instead (the planner's stage-3 optimizer,
+    lazyzero/plan/resident_gradients.py), so they cost no NVMe copies; their memory is as above."""
     nvme_param_bytes_per_s: float | None = None
     """The speed of parameters' blocking NVMe copies where it differs from the paths' (None: the
     paths'). DeepSpeed reads a layer's parameters one tensor at a time before its use, and writes them
@@ -521,7 +525,7 @@ def placement_traffic(problem: PlanProblem, layer: int, placement: Placement) ->
     if placement.state_tier == "nvme":
         state = costs.state_bytes(placement.state_8bit)
         traffic += [Traffic(opt, "nvme_read", state), Traffic(opt, "nvme_write", state)]
-        if machine.grads_leave_device("nvme") and not on_host:
+        if machine.grads_leave_device("nvme") and not on_host and not machine.nvme_grads_resident:
             traffic += [Traffic(problem.backward_window(layer) + 1, "nvme_write", costs.grad_bytes),
                         Traffic(opt, "nvme_read", costs.grad_bytes)]
     # The updated 16-bit parameters are produced where the optimizer runs and go home.

@@ -260,10 +260,11 @@ def _machine(profile: ModelProfile, budgets: Budgets, shape: RankShape) -> Machi
             paths[name] = Path(name, measured.bandwidths[name].bytes_per_s)
     # DeepSpeed's NVMe swaps of parameters and optimizer states wait for their copies; without a
     # GPU, the optimizer is always offloaded to NVMe when there is an NVMe tier (implied.py), which
-    # sends a swapped layer's gradients there too.
+    # would send a swapped layer's gradients there too; the planner's stage-3 optimizer steps them
+    # from host memory instead (resident_gradients.py).
     cpu_only_nvme = "nvme" in tiers and "cpu" not in tiers
     return Machine(tiers, paths, **_optimizer_rates(profile, shape, cpu_only_nvme), nvme_swaps_block=True,
-                   nvme_state_takes_grads=cpu_only_nvme)
+                   nvme_state_takes_grads=cpu_only_nvme, nvme_grads_resident=cpu_only_nvme)
 
 
 def _optimizer_rates(profile: ModelProfile, shape: RankShape, always_offloaded: bool) -> dict:

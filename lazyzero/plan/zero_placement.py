@@ -31,6 +31,8 @@ makes both choices per parameter name (`ZeroPlacement`):
   then shares, as those of one zero.Init do (docs/plan.md, "Planning partitioned models"). A model
   zero.Init already put on NVMe (its own `offload_param`) is refused: its swap files are in a folder
   of its own choosing, and the plan decides what goes where.
+- Gradients of sub-groups swapped to NVMe are stepped from DeepSpeed's flat gradient partition in
+  host memory, not written to NVMe and read back (`ResidentGradients`, resident_gradients.py).
 - Checkpoints: the sub-groups' cut and tiers are part of a checkpoint's layout, as `sub_group_size`
   is for DeepSpeed; `check_checkpoint_tiers` (lazyzero/checkpoint/sub_group_tiers.py) refuses a
   restore under another placement.
@@ -56,6 +58,7 @@ from deepspeed.utils.logging import print_dist
 
 from lazyzero.config.errors import LazyZeroConfigError, Problem
 from lazyzero.patch_point import swapped
+from lazyzero.plan.resident_gradients import ResidentGradients
 
 OPTIMIZER_DEVICE = "zero_optimization.offload_optimizer.device"
 PARAM_DEVICE = "zero_optimization.offload_param.device"
@@ -162,7 +165,7 @@ def zero_placement(placement: Optional[ZeroPlacement], zero_config=None) -> Iter
             "placed (allowed: 3, with an optimizer)"))])
 
 
-class TieredZeroOptimizer_Stage3(DeepSpeedZeroOptimizer_Stage3):
+class TieredZeroOptimizer_Stage3(ResidentGradients, DeepSpeedZeroOptimizer_Stage3):
     """DeepSpeed's ZeRO-3 optimizer with optimizer-state and parameter tiers chosen per parameter."""
 
     def __init__(self, module, init_optimizer, param_names, *args, placement: ZeroPlacement, **kwargs):

@@ -115,7 +115,7 @@ def test_optimizer_speeds_per_state_byte_are_the_measured_steps(problem):
     machine = problem.machine
     # Without a GPU, with NVMe: DeepSpeed's CPU Adam steps every fp32 state (the optimizer is offloaded).
     assert machine.gpu_adam_s_per_byte == machine.cpu_adam_s_per_byte == pytest.approx(2.4e-9 / 12)
-    assert machine.nvme_swaps_block and machine.nvme_state_takes_grads
+    assert machine.nvme_swaps_block and machine.nvme_state_takes_grads and machine.nvme_grads_resident
     assert machine.gpu_adam8_s_per_byte == pytest.approx(3e-9 / (2 + 8 / 256 + 4))
 
 

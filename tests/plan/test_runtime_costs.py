@@ -153,6 +153,19 @@ def test_simulated_windows_follow_the_rules_by_hand():
     assert windows[2].memory["nvme"] == 60
 
 
+def test_gradients_stepped_from_host_memory_cost_no_nvme_copies():
+    """The planner's stage-3 optimizer steps a layer whose state is on NVMe from its gradients in host
+    memory (Machine.nvme_grads_resident, plan/resident_gradients.py): the optimizer window of the test
+    above loses the gradients' write and read (4 + 2 s) and keeps the rest; memory is unchanged."""
+    layer = [LayerPlan("keep", 4, "gpu", "gpu", "nvme", True)]
+    problems = [one_layer_problem(nvme_swaps_block=True, nvme_state_takes_grads=True, nvme_grads_resident=resident)
+                for resident in (False, True)]
+    written, resident = (simulate(problem, evaluate_layers(problem, layer, "greedy")).windows for problem in problems)
+    assert written[2].compute_s == pytest.approx(0.3 + 3 + 6 + 4 + 2)
+    assert resident[2].compute_s == pytest.approx(0.3 + 3 + 6)
+    assert [w.memory for w in resident] == [w.memory for w in written]
+
+
 def test_offloaded_activations_cost_their_measured_work():
     problem = two_layer_problem()
     plan = evaluate_layers(problem, [LayerPlan("keep", 8, "nvme", "gpu", "gpu", True),

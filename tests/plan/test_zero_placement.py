@@ -80,10 +80,10 @@ def assert_params_swapped_exactly(record: dict, nvme_layers: tuple[int, ...]) ->
 @pytest.fixture(scope="module")
 def tiered_runs(tmp_path_factory):
     """Layer 1's optimizer state and bf16 parameters on NVMe (saved after 3 steps), everything in
-    memory, a resume of the first from its checkpoint, and a check of that checkpoint under another
-    placement (layer 0 on NVMe)."""
+    memory, DeepSpeed's own run with all of it on NVMe, a resume of the first from its checkpoint, and
+    a check of that checkpoint under another placement (layer 0 on NVMe)."""
     out = tmp_path_factory.mktemp("placement")
-    return launch(out, "half:adam:tiered:1:params,save", "memory:adam:cpu:-",
+    return launch(out, "half:adam:tiered:1:params,save", "memory:adam:cpu:-", "nvme:adam:nvme:-",
                   "resume:adam:tiered:1:params,resume=half", "other:adam:tiered:0:params,check=half")
 
 
@@ -126,6 +126,25 @@ def test_half_on_nvme_trains_bit_for_bit_like_all_in_memory(tiered_runs):
         assert half["grad_norms"] == memory["grad_norms"]
         assert half["losses"] == memory["losses"]
         assert half["digest"] == memory["digest"]
+
+
+@pytest.mark.multiproc
+@needs_libaio
+def test_placed_layers_step_from_host_gradients_with_deepspeeds_bits(tiered_runs):
+    """DeepSpeed writes a swapped sub-group's gradients to NVMe and reads them back for the step; the
+    planner's optimizer steps them from DeepSpeed's flat gradient partition (resident_gradients.py):
+    no gradient file, and the same bits as DeepSpeed's own NVMe run and the run in memory."""
+    for half, nvme, memory in zip(tiered_runs["half"], tiered_runs["nvme"], tiered_runs["memory"]):
+        assert any(gradient_file(name) for name in nvme["optimizer_files"]), nvme["optimizer_files"]
+        assert not any(gradient_file(name) for name in half["optimizer_files"]), half["optimizer_files"]
+        assert half["losses"] == nvme["losses"] == memory["losses"]
+        assert half["grad_norms"] == nvme["grad_norms"]
+        assert half["digest"] == nvme["digest"] == memory["digest"]
+
+
+def gradient_file(name: str) -> bool:
+    # DeepSpeed's optimizer swapper names a sub-group's gradient files <ds_id>_gradient_<offset>...
+    return "_gradient" in name
 
 
 @pytest.mark.multiproc
@@ -177,7 +196,9 @@ def test_placement_of_every_parameter_is_deepspeeds_own_nvme_run(tmp_path):
     runs = launch(tmp_path, "every:adam:tiered:all", "nvme:adam:nvme:-", "half:adam:tiered:1", "memory:adam:cpu:-")
     for rank in (0, 1):
         every, nvme = runs["every"][rank], runs["nvme"][rank]
-        assert every["optimizer_files"] == nvme["optimizer_files"]
+        # The same state files; DeepSpeed's run also wrote its gradients, the placement's kept them.
+        assert every["optimizer_files"] == [name for name in nvme["optimizer_files"] if not gradient_file(name)]
+        assert not any(gradient_file(name) for name in every["optimizer_files"])
         assert [group["swapped"] for group in every["sub_groups"]] == [group["swapped"] for group in nvme["sub_groups"]]
         for other in ("nvme", "half", "memory"):
             assert runs[other][rank]["losses"] == every["losses"], other

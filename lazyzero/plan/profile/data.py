@@ -19,7 +19,10 @@ PROFILE_KIND = "lazyzero.profile"
 # second engine reused the first one's freed memory and looked smaller than it is).
 # 6: the engine calibration has an engine with its decoder layers swapped to NVMe where the run may
 # swap there (a version-5 profile priced NVMe at the disk test alone).
-PROFILE_VERSION = 7
+# 7: a fourth engine with the decoder layers' parameters alone on NVMe.
+# 8: the NVMe engines' gradients stay in host memory (plan/resident_gradients.py): their times no
+# longer include gradient copies, which version 7 priced with the state's.
+PROFILE_VERSION = 8
 DECODER = "decoder"
 EMBED_AND_HEAD_KIND = "embed_and_head"
 

@@ -14,7 +14,7 @@ NVMe moves each step, 4 of them read while nothing else runs (docs/plan.md, Meas
 where each gradient of a swapped sub-group lies in the flat buffer, and when the sub-group is swapped
 in for its step fills the fp32 gradient from there, in the pool buffer DeepSpeed would have read it
 into. Widening bf16 to fp32 is exact, so the step sees the bits DeepSpeed's own path gives it
-(tests/plan/test_resident_gradients.py). The planner prices no gradient NVMe traffic for such layers
+(tests/plan/test_zero_placement.py). The planner prices no gradient NVMe traffic for such layers
 (`Machine.nvme_grads_resident`).
 
 Only where the gradient handed over is the flat buffer itself (a machine without a GPU: on CUDA it
@@ -33,13 +33,13 @@ from deepspeed.runtime.swap_tensor.partitioned_optimizer_swapper import Partitio
 class ResidentGradients:
     """Mixin for `DeepSpeedZeroOptimizer_Stage3` subclasses (placed before DeepSpeed's class)."""
 
-    def _resident_gradients(self) -> dict[int, dict[int, torch.Tensor]]:
-        # sub-group -> offset in its fp32 partition -> that gradient's view of the flat buffer.
-        # Kept across steps, as DeepSpeed keeps its gradient files: a parameter without a gradient in
-        # a step keeps the one it had, in the flat buffer as in the file.
-        if not hasattr(self, "_resident_gradient_views"):
-            self._resident_gradient_views = {}
-        return self._resident_gradient_views
+    def __init__(self, *args, **kwargs):
+        # sub-group -> offset in its fp32 partition -> that gradient's view of the flat buffer. Set
+        # before DeepSpeed's constructor, which already swaps sub-groups in. Kept across steps, as
+        # DeepSpeed keeps its gradient files: a parameter without a gradient in a step keeps the one
+        # it had, in the flat buffer as in the file.
+        self._resident_gradients: dict[int, dict[int, torch.Tensor]] = {}
+        super().__init__(*args, **kwargs)
 
     def _offload_grad_partition_at_boundary(self, param, grad_buffer, offload_fp32_gradients, offload_fp32_offsets):
         sub_group, offset, _ = self.grad_position[self.get_param_id(param)]
@@ -48,7 +48,7 @@ class ResidentGradients:
                                                                offload_fp32_offsets)
         # The norm DeepSpeed records at this point for every offloaded gradient (clipping reads it).
         self.norm_for_param_grads[self.get_param_id(param)] = self._constant_buffered_norm2(grad_buffer)
-        self._resident_gradients().setdefault(sub_group, {})[offset] = grad_buffer
+        self._resident_gradients.setdefault(sub_group, {})[offset] = grad_buffer
 
     def _keeps_resident(self, sub_group: int, grad_buffer: torch.Tensor) -> bool:
         return (self.swap_optimizer and isinstance(self.optimizer_swapper, PartitionedOptimizerSwapper)
@@ -58,7 +58,7 @@ class ResidentGradients:
 
     def _optimizer_states_and_gradient_swap_in(self, sub_group_id, timer_names=None):
         super()._optimizer_states_and_gradient_swap_in(sub_group_id, timer_names)
-        views = self._resident_gradients().get(sub_group_id)
+        views = self._resident_gradients.get(sub_group_id)
         if views:
             self._fill_fp32_gradient(sub_group_id, views)
 
@@ -78,7 +78,7 @@ class ResidentGradients:
             partition.grad.narrow(0, offset, view.numel()).copy_(view)
 
     def _writeback_swap_state(self, sub_group_id, write_opt_state, write_gradients):
-        if write_gradients and self._resident_gradients().get(sub_group_id):
+        if write_gradients and self._resident_gradients.get(sub_group_id):
             raise NotImplementedError(
                 "a gradient written into an NVMe-placed optimizer sub-group from outside the step "
                 "(DeepSpeed's safe_set_full_grad / set_full_grad family, Muon) is not kept by a planned run: "

@@ -115,7 +115,8 @@ class PlanConfig(ConfigSection):
 
     replan: bool = True
     """Plan again, with the measurements, when they differ from the prediction by more than `replan_margin` in two
-    checks in a row (activation choices only: placements are fixed once DeepSpeed is built)."""
+    checks in a row and in the median over the plan's checks, which the new plan is calibrated with (activation
+    choices only: placements are fixed once DeepSpeed is built)."""
 
     replan_margin: float = Field(0.15, gt=0)
     """Relative difference between measured and predicted step time or peak memory that triggers a new plan."""

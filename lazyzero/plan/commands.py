@@ -119,12 +119,21 @@ def _problem(args: argparse.Namespace):
     if args.max_grad_error <= 0:
         raise ValueError(f"--max-grad-error: must be > 0, got {args.max_grad_error}")
     problem, sizes = problem_from_profile(profile, Budgets(args.cpu_mem, args.gpu_mem, args.nvme, ranks),
-                                          RankShape(shape.world_size, shape.dtype, shape.dtype != "float32", True),
+                                          RankShape(shape.world_size, shape.dtype, shape.dtype != "float32", True,
+                                                    _engines_use_torch_adam(profile)),
                                           max_grad_error=args.max_grad_error)
     base = {"train_micro_batch_size_per_gpu": shape.micro_batch, "gradient_accumulation_steps": 1}
     if shape.dtype != "float32":
         base["bf16" if shape.dtype == "bfloat16" else "fp16"] = {"enabled": True}
     return problem, sizes, base
+
+
+def _engines_use_torch_adam(profile) -> bool:
+    """Whether the profile's calibration engines stepped torch's AdamW: the run they were measured for
+    does (its config's optimizer section is theirs, implied.calibration_ds_config)."""
+    from lazyzero.plan.problem_from_profile import uses_torch_adam
+
+    return profile.engine is not None and uses_torch_adam(profile.engine.config)
 
 
 def _write_outputs(args: argparse.Namespace, problem, plan, sizes, base: dict) -> None:

@@ -70,6 +70,10 @@ class RankShape:
     dtype: str
     mixed_precision: bool
     eight_bit_allowed: bool
+    torch_adam: bool = False
+    """The config's Adam/AdamW asks for torch's (`"torch_adam": true`): DeepSpeed then builds
+    torch.optim.AdamW even where the optimizer is offloaded, in place of its CPU Adam
+    (`uses_torch_adam`)."""
 
 
 def problem_from_profile(profile: ModelProfile, budgets: Budgets, shape: RankShape, *,
@@ -269,8 +273,8 @@ def _machine(profile: ModelProfile, budgets: Budgets, shape: RankShape) -> Machi
 
 def _optimizer_rates(profile: ModelProfile, shape: RankShape, always_offloaded: bool) -> dict:
     """Seconds per state byte: fp32 states on the device are torch's AdamW, on the host (and, with
-    `always_offloaded`, everywhere) DeepSpeed's CPU Adam; 8-bit states lazyzero's fused step (on the
-    device where it was timed there)."""
+    `always_offloaded`, everywhere) DeepSpeed's CPU Adam, or torch's AdamW where the config asks for it
+    (`RankShape.torch_adam`); 8-bit states lazyzero's fused step (on the device where it was timed there)."""
     speeds = profile.machine.optimizers
     master = FP32_BYTES if shape.mixed_precision else 0
 
@@ -278,13 +282,28 @@ def _optimizer_rates(profile: ModelProfile, shape: RankShape, always_offloaded: 
         return speeds[name].s_per_param / (moment_bytes + master)
 
     eight_bit_device = "lazyzero_adamw8bit_cuda" if "lazyzero_adamw8bit_cuda" in speeds else "lazyzero_adamw8bit"
-    host_fp32 = "deepspeed_cpu_adam" if "deepspeed_cpu_adam" in speeds else "torch_adamw"
+    # What DeepSpeed steps offloaded fp32 states with (`DeepSpeedEngine.get_optimizer_configuration`):
+    # torch's AdamW where the config asks for it, else its CPU Adam. The calibration engines run the same
+    # config, so pricing anything else there would leave the difference in DeepSpeed's per-layer cost
+    # (calibrate.engine_calibrated), which then stayed in plans that step with lazyzero's 8-bit AdamW:
+    # 2.7 s of the `1b` run's 24 s prediction (docs/plan.md). On CUDA torch's AdamW was timed on the
+    # device only, so the host's is priced as DeepSpeed's CPU Adam.
+    torch_on_host = shape.torch_adam and "torch_adamw" in speeds and speeds["torch_adamw"].device == "cpu"
+    host_fp32 = "deepspeed_cpu_adam" if "deepspeed_cpu_adam" in speeds and not torch_on_host else "torch_adamw"
     rates = {"gpu_adam_s_per_byte": per_byte(host_fp32 if always_offloaded else "torch_adamw", 8),
              "cpu_adam_s_per_byte": per_byte(host_fp32, 8)}
     if "lazyzero_adamw8bit" in speeds:
         rates["gpu_adam8_s_per_byte"] = per_byte(eight_bit_device, 2 + 8 / 256)
         rates["cpu_adam8_s_per_byte"] = per_byte("lazyzero_adamw8bit", 2 + 8 / 256)
     return rates
+
+
+def uses_torch_adam(ds_config: dict) -> bool:
+    """Whether DeepSpeed builds torch's Adam/AdamW for this config's optimizer section."""
+    optimizer = ds_config.get("optimizer")
+    if not isinstance(optimizer, dict) or str(optimizer.get("type", "")).lower() not in ("adam", "adamw"):
+        return False
+    return (optimizer.get("params") or {}).get("torch_adam", False) is True
 
 
 def training_dtype(ds_config: dict):
@@ -307,7 +326,7 @@ def problem_for_config(profile: ModelProfile, ds_config: dict, settings, world_s
     every rank the same figure."""
     dtype = training_dtype(ds_config)
     shape = RankShape(world_size, str(dtype).removeprefix("torch."), str(dtype) != "torch.float32",
-                      settings.allow_8bit_optimizer)
+                      settings.allow_8bit_optimizer, uses_torch_adam(ds_config))
     budgets = Budgets(settings.cpu_mem, settings.gpu_mem, settings.nvme_path, local_ranks, settings.memory_reserve)
     problem, sizes = problem_from_profile(profile, budgets, shape, allowed_bits=tuple(settings.allowed_bits),
                                           allow_recompute=settings.allow_recompute,

@@ -1,6 +1,6 @@
 """The planned run's re-plan decision (lazyzero/plan/monitor.py): a re-plan needs CONFIRMING_CHECKS
-checks in a row beyond `replan_margin`, and calibrates with the confirming step time closest to the
-prediction. The monitor runs on a one-process gloo group (its all-reduce is real); what a re-plan
+checks in a row beyond `replan_margin` and the plan's median check beyond it too, and calibrates with
+that median. The monitor runs on a one-process gloo group (its all-reduce is real); what a re-plan
 then solves is the planned-run tests' (tests/plan/test_planned_training.py)."""
 
 from __future__ import annotations
@@ -64,18 +64,36 @@ def test_one_check_beyond_the_margin_does_not_replan(one_rank_group, monkeypatch
     assert [check.replanned for check in watcher.checks] == [False] * 6
 
 
-def test_consecutive_checks_beyond_the_margin_replan_with_the_closer_one(one_rank_group, monkeypatch):
+def test_consecutive_checks_beyond_the_margin_replan_with_the_plans_median(one_rank_group, monkeypatch):
     assert CONFIRMING_CHECKS == 2
-    watcher, replanned_with = run_checks(monkeypatch, [1.0, 1.3, 1.2, 1.0])
-    assert [check.replanned for check in watcher.checks] == [False, False, True, False]
-    assert replanned_with == [pytest.approx(1.2)]
+    watcher, replanned_with = run_checks(monkeypatch, [1.25, 1.3, 1.0])
+    assert [check.replanned for check in watcher.checks] == [False, True, False]
+    assert replanned_with == [pytest.approx(1.275)]
 
 
 def test_a_check_within_the_margin_resets_the_count(one_rank_group, monkeypatch):
-    watcher, replanned_with = run_checks(monkeypatch, [1.3, 1.1, 1.3, 0.8, 0.7])
-    assert [check.replanned for check in watcher.checks] == [False, False, False, True, False]
-    # A fast step is as far off as a slow one: 0.8 is 20% under, 0.7 is 30% under the prediction.
-    assert replanned_with == [pytest.approx(0.8)]
+    watcher, replanned_with = run_checks(monkeypatch, [1.3, 1.1, 1.3, 1.3])
+    assert [check.replanned for check in watcher.checks] == [False, False, False, True]
+    assert replanned_with == [pytest.approx(1.3)]
+
+
+def test_fast_steps_are_as_far_off_as_slow_ones(one_rank_group, monkeypatch):
+    # 0.8 is 20% under, 0.7 is 30% under the prediction.
+    watcher, replanned_with = run_checks(monkeypatch, [0.8, 0.7])
+    assert replanned_with == [pytest.approx(0.75)]
+
+
+def test_a_slow_spell_among_checks_near_the_prediction_does_not_replan(one_rank_group, monkeypatch):
+    # The README job on an AMD EPYC (docs/plan.md): two checks 19% and 23% over between checks within
+    # 10%; calibrated with the spell, its re-plan then ran 12% under what it predicted.
+    watcher, replanned_with = run_checks(monkeypatch, [1.09, 1.05, 1.08, 1.19, 1.23, 1.06, 1.04, 1.07])
+    assert replanned_with == [] and not any(check.replanned for check in watcher.checks)
+
+
+def test_a_lasting_change_replans_once_it_is_the_plans_median(one_rank_group, monkeypatch):
+    watcher, replanned_with = run_checks(monkeypatch, [1.0, 1.0, 1.0, 1.4, 1.4, 1.4, 1.4])
+    assert [check.replanned for check in watcher.checks] == [False] * 5 + [True, False]
+    assert replanned_with == [pytest.approx(1.2)]
 
 
 def test_replans_stop_at_the_limit(one_rank_group, monkeypatch):

@@ -8,7 +8,13 @@ from dataclasses import replace
 import pytest
 
 from lazyzero.plan.costs import EMBED_AND_HEAD
-from lazyzero.plan.problem_from_profile import Budgets, RankShape, problem_for_config, problem_from_profile
+from lazyzero.plan.problem_from_profile import (
+    Budgets,
+    RankShape,
+    problem_for_config,
+    problem_from_profile,
+    uses_torch_adam,
+)
 from lazyzero.plan.profile.data import (
     Bandwidth,
     CollectiveSpeed,
@@ -117,6 +123,48 @@ def test_optimizer_speeds_per_state_byte_are_the_measured_steps(problem):
     assert machine.gpu_adam_s_per_byte == machine.cpu_adam_s_per_byte == pytest.approx(2.4e-9 / 12)
     assert machine.nvme_swaps_block and machine.nvme_state_takes_grads and machine.nvme_grads_resident
     assert machine.gpu_adam8_s_per_byte == pytest.approx(3e-9 / (2 + 8 / 256 + 4))
+
+
+def test_offloaded_fp32_states_step_with_torchs_adamw_where_the_config_asks_for_it(tmp_path):
+    # DeepSpeed builds torch.optim.AdamW from "torch_adam": true even with the optimizer offloaded.
+    config = {"bf16": {"enabled": True}, "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True}},
+              "zero_optimization": {"stage": 3}}
+    assert uses_torch_adam(config)
+    assert not uses_torch_adam({**config, "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}})
+    assert not uses_torch_adam({**config, "optimizer": {"type": "Lamb", "params": {"torch_adam": True}}})
+    budgets = Budgets(cpu_mem=4 * 10**9, gpu_mem=None, nvme_path=str(tmp_path), local_ranks=2)
+    machine = problem_from_profile(made_up_profile(), budgets, RankShape(2, "bfloat16", True, True, True))[0].machine
+    assert machine.gpu_adam_s_per_byte == machine.cpu_adam_s_per_byte == pytest.approx(12e-9 / 12)
+    assert machine.gpu_adam8_s_per_byte == pytest.approx(3e-9 / (2 + 8 / 256 + 4))
+
+
+def test_the_engines_own_optimizer_is_no_part_of_deepspeeds_cost_per_layer(tmp_path):
+    """Calibration engines that took exactly what the problem predicts with the optimizer they ran
+    (torch's AdamW, from the run's config) add no cost to any layer, so a plan stepping 8-bit states
+    is predicted without torch's step; priced as DeepSpeed's CPU Adam instead, torch's extra time
+    would be taken for DeepSpeed's own and stay in every layer's backward."""
+    from lazyzero.plan.calibrate import _cut, _in_memory_prediction
+    from lazyzero.plan.problem import LayerPlan
+    from lazyzero.plan.profile.data import EngineCalibration, EngineRun
+    from lazyzero.plan.simulate import evaluate_layers
+
+    profile = _five_layer_profile()
+    budgets = Budgets(cpu_mem=4 * 10**9, gpu_mem=None, nvme_path=None, local_ranks=2)
+    shape = RankShape(2, "bfloat16", True, True, torch_adam=True)
+    plain, _ = problem_from_profile(profile, budgets, shape, process_bytes=0)
+    runs = tuple(EngineRun(n, _in_memory_prediction(_cut(plain, n))[0], 0, 0, 0) for n in (1, 3))
+    eight_bit = [LayerPlan("keep", 16, "gpu", "gpu", "gpu", True)] * plain.num_layers
+    calibrated = replace(profile, engine=EngineCalibration(runs, {}))
+    problem, _ = problem_from_profile(calibrated, budgets, shape, process_bytes=0)
+    assert [c.bwd_s for c in problem.layers] == pytest.approx([c.bwd_s for c in plain.layers])
+    assert (evaluate_layers(problem, eight_bit, "greedy").predicted_step_s
+            == pytest.approx(evaluate_layers(plain, eight_bit, "greedy").predicted_step_s))
+    # The same engines under the optimizer it did not run: its step time lands in the layers.
+    budgets_nvme = replace(budgets, nvme_path=str(tmp_path))
+    shape_ds = replace(shape, torch_adam=False)
+    wrong, _ = problem_from_profile(calibrated, budgets_nvme, shape_ds, process_bytes=0)
+    right, _ = problem_from_profile(calibrated, budgets_nvme, shape, process_bytes=0)
+    assert sum(c.bwd_s for c in wrong.layers) > sum(c.bwd_s for c in right.layers) + 1e-6
 
 
 def test_without_nvme_the_optimizer_stays_in_memory():

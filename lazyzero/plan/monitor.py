@@ -100,10 +100,11 @@ class PlanMonitor:
         self.checks.append(check)
         if engine.global_rank == 0:
             print(check.summary(), flush=True)
-        self._plan_checks.append(check)
         if check.replanned:
             self._replan(engine, check, self._typical(check).measured_step_s)
             self._plan_checks = []
+        else:
+            self._plan_checks.append(check)
 
     def _compare(self, engine) -> PlanCheck:
         durations = [b - a for a, b in zip(self._step_ends, self._step_ends[1:])]
@@ -128,10 +129,10 @@ class PlanMonitor:
         return max(abs(check.step_time_error), abs(check.peak_error)) > self.settings.replan_margin
 
     def _typical(self, newest: PlanCheck) -> PlanCheck:
-        """`newest` with the median step time of every check of its plan (it included): each measures
-        the same plan, and a spell of load is not the plan's step. The peak stays the newest's: it is
-        a high-water mark, and a lazy checkpoint's snapshot, once held, is held in every later check."""
-        steps = [check.measured_step_s for check in self._plan_checks if check is not newest] + [newest.measured_step_s]
+        """`newest` with the median step time of every check of its plan, the earlier ones and it: each
+        measures the same plan, and a spell of load is not the plan's step. The peak stays the newest's:
+        it is a high-water mark, and a lazy checkpoint's snapshot, once held, is held in every later check."""
+        steps = [check.measured_step_s for check in self._plan_checks + [newest]]
         return replace(newest, measured_step_s=statistics.median(steps))
 
     def _replan(self, engine, check: PlanCheck, step_s: float) -> None:

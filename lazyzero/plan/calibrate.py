@@ -2,12 +2,12 @@
 
 `engine_calibrated`, before a run: the profile's engine calibration (real engines of the model cut to
 a few decoder layers, everything in memory, profile_engine.py) against what the problem predicts
-for the same engines. The difference between the two engines' errors, per layer between them, is
-DeepSpeed's own cost per layer (module hooks, gathers, buckets, partition copies), split 1:2 into
-each decoder layer's forward and backward; what remains of the smaller engine's error is its cost
-per step, added to the head's backward. The engines' memory above the prediction is split the same
-way (`engine_memory_excess`): a fixed part moves the workspace, a part per decoder layer is held by
-each layer whose parameters stay in compute memory.
+for the same engines. The difference between the shallowest and the deepest engines' errors, per
+layer between them, is DeepSpeed's own cost per layer (module hooks, gathers, buckets, partition
+copies), split 1:2 into each decoder layer's forward and backward; what remains of the shallowest
+engine's error is its cost per step, added to the head's backward. The engines' memory above the
+prediction is split the same way (`engine_memory_excess`): a fixed part moves the workspace, a part
+per decoder layer is held by each layer whose parameters stay in compute memory.
 
 `calibrated_problem`, during a run (re-planning): every compute time (layer forward, backward,
 optimizer) is scaled by measured / predicted step time, and the compute memory's workspace moves by
@@ -30,10 +30,14 @@ def engine_calibrated(problem: PlanProblem, profile, process_bytes: int) -> Plan
     `profile.engine` (engines of a few and of more decoder layers). `process_bytes`: the part of the
     problem's workspace that is the process itself, not the engine (the engines ran in processes of
     their own: their memory is compared without it)."""
-    runs = sorted((run for run in profile.engine.runs if not run.nvme), key=lambda run: run.layers)
-    if len(runs) != 2 or runs[0].layers >= runs[1].layers:
-        raise ValueError(f"engine calibration: needs engines of two layer counts, the profile has "
-                         f"{[run.layers for run in runs]}")
+    in_memory = sorted((run for run in profile.engine.runs if not run.nvme), key=lambda run: run.layers)
+    depths = [run.layers for run in in_memory]
+    if len(depths) < 2 or len(set(depths)) != len(depths):
+        raise ValueError(f"engine calibration: needs engines of two or more distinct layer counts, the profile has "
+                         f"{depths}")
+    # The line through the shallowest and the deepest engine: a run has all its decoder layers, and
+    # DeepSpeed's cost per layer grows with depth (engine_calibration.py), so the deepest is the nearest.
+    runs = [in_memory[0], in_memory[-1]]
     errors = []
     for run in runs:
         step_s, peak = _in_memory_prediction(_cut(problem, run.layers))
@@ -49,9 +53,9 @@ def engine_calibrated(problem: PlanProblem, profile, process_bytes: int) -> Plan
     problem = replace(problem, layers=layers, workspace_bytes=max(0, round(problem.workspace_bytes + fixed)))
     swapped = [run for run in profile.engine.runs if run.nvme and not run.params_only]
     if swapped and "nvme" in problem.machine.tiers:
-        in_memory = next(run for run in runs if run.layers == swapped[0].layers)
+        same_depth = next(run for run in in_memory if run.layers == swapped[0].layers)
         params_alone = next((run for run in profile.engine.runs if run.params_only), None)
-        problem = nvme_calibrated(problem, in_memory.step_s, swapped[0], params_alone)
+        problem = nvme_calibrated(problem, same_depth.step_s, swapped[0], params_alone)
     return problem
 
 

@@ -531,3 +531,28 @@ def _peak(problem, layers) -> float:
     nvme = replace(machine, tiers={**machine.tiers, "nvme": Tier("nvme", 10**12)},
                    paths={**machine.paths, "nvme_read": Path("nvme_read", 1e9), "nvme_write": Path("nvme_write", 1e9)})
     return evaluate_layers(replace(problem, machine=nvme), layers, "greedy").predicted_peak_bytes["gpu"]
+
+
+def test_the_engine_line_runs_through_the_shallowest_and_the_deepest_engine():
+    """With an engine at the model's own depth, the calibrated problem predicts what that engine took
+    at that depth; the engine of 3 layers between them moves nothing."""
+    from lazyzero.plan.calibrate import _cut, _in_memory_prediction
+    from lazyzero.plan.profile.data import EngineCalibration, EngineRun
+
+    profile = _five_layer_profile()
+    budgets = Budgets(cpu_mem=4 * 10**9, gpu_mem=None, nvme_path=None, local_ranks=2)
+    shape = RankShape(2, "bfloat16", True, True, torch_adam=True)
+    plain, _ = problem_from_profile(profile, budgets, shape, process_bytes=0)
+    predicted = {n: _in_memory_prediction(_cut(plain, n))[0] for n in (1, 3, 5)}
+    over = {1: 0.5, 3: 0.7, 5: 1.5}
+    runs = tuple(EngineRun(n, predicted[n] + over[n], 0, 0, 0) for n in (3, 5, 1))
+    problem, _ = problem_from_profile(replace(profile, engine=EngineCalibration(runs, {})), budgets, shape,
+                                      process_bytes=0)
+    assert _in_memory_prediction(problem)[0] == pytest.approx(predicted[5] + 1.5)
+    # Without the deepest engine the line through 1 and 3 layers gives 0.9 s over the prediction at 5.
+    shallow, _ = problem_from_profile(replace(profile, engine=EngineCalibration(runs[::2], {})), budgets, shape,
+                                      process_bytes=0)
+    assert _in_memory_prediction(shallow)[0] == pytest.approx(predicted[5] + 0.9)
+    with pytest.raises(ValueError, match="distinct layer counts"):
+        problem_from_profile(replace(profile, engine=EngineCalibration(runs + runs[:1], {})), budgets, shape,
+                             process_bytes=0)

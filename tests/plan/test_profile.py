@@ -252,4 +252,35 @@ def test_a_calibration_child_killed_by_a_signal_is_run_again_on_every_rank(tmp_p
     assert marker.exists(), "the abort hook never fired"
     assert "killed by a signal on a rank" in proc.stdout
     for rank in range(2):
-        assert json.loads((tmp_path / f"rank{rank}.json").read_text()) == [1, 3]
+        # The third engine is the model's own depth (engine_calibration.own_depth_engine_layers).
+        assert json.loads((tmp_path / f"rank{rank}.json").read_text()) == [1, 3, 4]
+
+
+def test_a_model_held_whole_gets_an_engine_at_its_own_depth_where_the_host_has_room(monkeypatch):
+    """The third calibration engine: the model's own depth (at most DEEPEST_CALIBRATION_LAYERS), only
+    where the model is whole, deeper than the second engine, on the host, and the line through the
+    shallow engines' peaks fits the memory free per rank."""
+    from transformers import AutoModelForCausalLM
+
+    from lazyzero.plan.profile import engine_calibration as calibration
+    from lazyzero.plan.profile.data import EngineRun
+
+    def model(layers: int, device: str = "cpu"):
+        config = build_model("tiny", seed=1, vocab_size=300).config
+        config.num_hidden_layers = layers
+        with torch.device(device):
+            return AutoModelForCausalLM.from_config(config)
+
+    import psutil
+
+    free = calibration._free_host_bytes_per_rank()
+    assert 0 < free <= psutil.virtual_memory().total
+    mb = 2**20
+    shallow = [EngineRun(1, 0.1, 100 * mb, 50 * mb, 0), EngineRun(3, 0.3, 140 * mb, 50 * mb, 0)]
+    monkeypatch.setattr(calibration, "_free_host_bytes_per_rank", lambda: 180 * mb)
+    assert calibration.own_depth_engine_layers(model(5), shallow) == 5  # 180 MB on the line at 5 layers
+    assert calibration.own_depth_engine_layers(model(6), shallow) is None  # 200 MB
+    assert calibration.own_depth_engine_layers(model(3), shallow) is None
+    assert calibration.own_depth_engine_layers(model(5, "meta"), shallow) is None
+    monkeypatch.setattr(calibration, "_free_host_bytes_per_rank", lambda: 10**12)
+    assert calibration.own_depth_engine_layers(model(14), shallow) == calibration.DEEPEST_CALIBRATION_LAYERS

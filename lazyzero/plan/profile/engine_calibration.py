@@ -21,6 +21,14 @@ decoder layers' parameters there: DeepSpeed reads them a tensor at a time before
 half the speed per byte of the optimizer state's pipelined blocks in bench_planner's runs
 (docs/plan.md), so parameters are priced at their own speed.
 
+On the host (no GPU), a model held whole on every rank with more decoder layers than the second engine
+is also run at its own depth (at most DEEPEST_CALIBRATION_LAYERS) where the line through the first two
+engines' peaks says it fits the memory the host has free: DeepSpeed's cost per layer grows with depth
+under the planned runs' allocator bound (`host_memory.py`). The demo preset's engines of 1, 3 and 6
+layers took 0.43, 1.17 and 2.48 s, and 0.57, 1.32 and 2.66 s, where the line through 1 and 3 gives
+2.27 and 2.43 s at 6 (docs/plan.md, "The engines at the model's depth"). A model partitioned at
+construction or on the meta device is taken not to fit whole and keeps the two shallow engines.
+
 Each engine runs in a fresh child process per rank, with a process group of its own: a DeepSpeed
 engine does not give its memory back when destroyed (330 MB per pair of 1- and 2-layer engines here,
 three pairs in a row measured), so the planned run must not start with that garbage in its budget,
@@ -55,6 +63,9 @@ logger = logging.getLogger(__name__)
 # Two depths a few layers apart: the slope between them is DeepSpeed's cost per layer.
 CALIBRATION_LAYERS = (1, 3)
 NVME_CALIBRATION_LAYERS = CALIBRATION_LAYERS[-1]
+# The deepest engine of a model held whole: its profile time stays within about six training steps of
+# a 12-layer model (the demo preset has 6 layers, bench_planner's model 8).
+DEEPEST_CALIBRATION_LAYERS = 12
 # The NVMe engine times this many times the steps of the others: a disk's speed wanders from step to
 # step more than compute does (the `1b` preset's 3-layer NVMe engine: 2.7 and 3.7 s over memory in
 # two profiles 8 minutes apart, median of 5 steps each).
@@ -78,19 +89,56 @@ def calibrate_engine(model: nn.Module, config: dict, batch: dict, steps: int) ->
     layers, under DeepSpeed `config`, each in fresh processes (every rank calls this together; `batch`
     is one micro-batch)."""
     rank, world = _world()
-    depths = [(layers, "") for layers in CALIBRATION_LAYERS]
+    swapped_depths = []
     if swaps_to_nvme(config):
-        depths.append((NVME_CALIBRATION_LAYERS, NVME_ALL))
+        swapped_depths.append((NVME_CALIBRATION_LAYERS, NVME_ALL))
         if parameters_swappable(model):
-            depths.append((NVME_CALIBRATION_LAYERS, NVME_PARAMS))
+            swapped_depths.append((NVME_CALIBRATION_LAYERS, NVME_PARAMS))
     with tempfile.TemporaryDirectory(prefix="lazyzero-calibration-") as folder:
         model.config.save_pretrained(folder)
         request = {"config_dir": folder, "ds_config": config, "dtype": str(_dtype(model)).removeprefix("torch."),
                    "attn_implementation": getattr(model.config, "_attn_implementation", None),
                    "batch": {key: value.tolist() for key, value in batch.items()}, "steps": steps,
                    "rank": rank, "world_size": world, "threads": torch.get_num_threads()}
-        runs = tuple(_run_in_child(request, layers, Path(folder), swapped) for layers, swapped in depths)
-    return EngineCalibration(runs=runs, config=config)
+        runs = [_run_in_child(request, layers, Path(folder), "") for layers in CALIBRATION_LAYERS]
+        deepest = own_depth_engine_layers(model, runs)
+        if deepest is not None:
+            runs.append(_run_in_child(request, deepest, Path(folder), ""))
+        runs += [_run_in_child(request, layers, Path(folder), swapped) for layers, swapped in swapped_depths]
+    return EngineCalibration(runs=tuple(runs), config=config)
+
+
+def own_depth_engine_layers(model: nn.Module, shallow: list[EngineRun]) -> int | None:
+    """The depth of the engine run at the model's own depth (see the module's notes), or None; the same
+    on every rank (every rank calls this together)."""
+    from lazyzero.plan.profile.layers import decoder_layers
+    from lazyzero.plan.profile.materialize import holds_whole_model
+
+    if torch.cuda.is_available() or not holds_whole_model(model):
+        return None
+    depth = min(len(decoder_layers(model)), DEEPEST_CALIBRATION_LAYERS)
+    if depth <= CALIBRATION_LAYERS[-1]:
+        return None
+    fits = torch.tensor([float(_line_peak(shallow, depth) <= _free_host_bytes_per_rank())])
+    if _world()[1] > 1:
+        torch.distributed.all_reduce(fits, op=torch.distributed.ReduceOp.MIN)
+    return depth if fits.item() == 1.0 else None
+
+
+def _line_peak(shallow: list[EngineRun], layers: int) -> float:
+    """The resident peak of an engine of `layers` decoder layers on the line through the shallow ones."""
+    small, large = shallow[0], shallow[-1]
+    per_layer = (large.peak_bytes - small.peak_bytes) / (large.layers - small.layers)
+    return large.peak_bytes + max(0.0, per_layer) * (layers - large.layers)
+
+
+def _free_host_bytes_per_rank() -> float:
+    """The host memory available now, shared by the ranks of this host (their engines run at once)."""
+    import psutil
+
+    from lazyzero.gradients.node_layout import launcher_ranks_per_node
+
+    return psutil.virtual_memory().available / (launcher_ranks_per_node() or _world()[1])
 
 
 def swaps_to_nvme(config: dict) -> bool:

@@ -86,8 +86,8 @@ NVME_ALL, NVME_PARAMS = "nvme", "nvme-params"
 
 def calibrate_engine(model: nn.Module, config: dict, batch: dict, steps: int) -> EngineCalibration:
     """Step time and peak resident set of real engines of `model` cut to CALIBRATION_LAYERS decoder
-    layers, under DeepSpeed `config`, each in fresh processes (every rank calls this together; `batch`
-    is one micro-batch)."""
+    layers, and where it applies to the model's own depth (`own_depth_engine_layers`), under DeepSpeed
+    `config`, each in fresh processes (every rank calls this together; `batch` is one micro-batch)."""
     rank, world = _world()
     swapped_depths = []
     if swaps_to_nvme(config):

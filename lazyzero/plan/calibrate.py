@@ -62,23 +62,29 @@ def engine_calibrated(problem: PlanProblem, profile, process_bytes: int) -> Plan
 def nvme_calibrated(problem: PlanProblem, in_memory_step_s: float, swapped, params_alone=None) -> PlanProblem:
     """`problem` (already engine-calibrated) with its NVMe reads and writes priced from the NVMe
     calibration engines (engine_calibration.py) of the depth of the in-memory one that took
-    `in_memory_step_s`. `params_alone` (its decoder layers' parameters on NVMe, or None) prices the
-    parameters' copies (`Machine.nvme_param_bytes_per_s`) at the speed that reproduces what it costs
-    over memory; then every other NVMe copy is priced at the one speed at which `swapped` (parameters
-    and optimizer state on NVMe) costs what it measured, its parameters at their own speed. One speed
-    for both directions: the disk test's ratio of read to write moved from 0.6 to 2 between runs of
-    the `1b` preset on one machine while the run's step did not (docs/plan.md). An engine measured no
-    slower than the one it is compared with (noise) prices nothing: parameters then go at the other
-    copies' speed, and those at the disk test's."""
+    `in_memory_step_s`. Every NVMe copy is priced at the one speed at which `swapped` (parameters and
+    optimizer state on NVMe, all at that speed) costs what it measured; `params_alone` (its decoder
+    layers' parameters on NVMe, or None) then prices the parameters' own copies
+    (`Machine.nvme_param_bytes_per_s`) at the speed that reproduces what it costs over memory. The
+    states are not priced at what `swapped` leaves once `params_alone` is taken out: that residual is a
+    difference of two differences of medians, and on the `1b` preset it moved 2.2 x between two runs
+    (0.81 and 1.82 s) while their steps did not (docs/plan.md, "A run larger than memory"). Parameters
+    being slower per byte, this prices state copies somewhat slow. One speed for both directions: the
+    disk test's ratio of read to write moved from 0.6 to 2 between runs of the `1b` preset on one
+    machine while the run's step did not. An engine measured no slower than the one it is compared
+    with (noise) prices nothing: parameters then go at the other copies' speed, and those at the disk
+    test's."""
     cut = _cut(problem, swapped.layers)
     in_memory_s = _in_memory_prediction(cut)[0]
+    speed = _fitted_speed(_with_nvme_speed(cut, UNIT_SPEED), in_memory_s, swapped.step_s - in_memory_step_s)
+    if speed is not None:
+        problem, cut = _with_nvme_speed(problem, speed), _with_nvme_speed(cut, speed)
     if params_alone is not None:
         param_speed = _fitted_speed(_with_nvme_speed(cut, UNIT_SPEED), in_memory_s,
                                     params_alone.step_s - in_memory_step_s, states=False)
         if param_speed is not None:
-            problem, cut = _with_param_speed(problem, param_speed), _with_param_speed(cut, param_speed)
-    speed = _fitted_speed(_with_nvme_speed(cut, UNIT_SPEED), in_memory_s, swapped.step_s - in_memory_step_s)
-    return problem if speed is None else _with_nvme_speed(problem, speed)
+            problem = _with_param_speed(problem, param_speed)
+    return problem
 
 
 def _fitted_speed(at_unit_speed: PlanProblem, in_memory_s: float, measured_s: float, states: bool = True):

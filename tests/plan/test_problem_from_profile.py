@@ -490,9 +490,12 @@ def test_an_engine_with_parameters_alone_on_nvme_prices_them_apart_from_the_othe
     problem, _ = problem_from_profile(replace(profile, engine=engine), budgets, shape, process_bytes=0)
     cut = _cut(problem, 3)
     assert _swapped_prediction(cut, states=False) == pytest.approx(params_alone.step_s)
-    assert _swapped_prediction(cut) == pytest.approx(swapped.step_s)
     param_speed, other_speed = problem.machine.nvme_param_bytes_per_s, problem.machine.paths["nvme_read"].bytes_per_s
-    assert param_speed < one_speed.machine.paths["nvme_read"].bytes_per_s < other_speed
+    # The other copies keep the speed of the engine with both on NVMe, not what it leaves once the
+    # parameters-alone engine is taken out (a difference of two differences: calibrate.nvme_calibrated).
+    assert other_speed == pytest.approx(one_speed.machine.paths["nvme_read"].bytes_per_s)
+    assert param_speed < other_speed
+    assert _swapped_prediction(cut) > swapped.step_s
     # A parameter's copies are priced at their speed, an optimizer state's at the paths'.
     layer = next(i for i, c in enumerate(problem.layers) if c.name != "embed_and_head")
     for traffic in placement_traffic(problem, layer, Placement("nvme", "nvme", False)):

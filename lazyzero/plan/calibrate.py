@@ -78,7 +78,7 @@ def nvme_calibrated(problem: PlanProblem, in_memory_step_s: float, swapped, para
     in_memory_s = _in_memory_prediction(cut)[0]
     speed = _fitted_speed(_with_nvme_speed(cut, UNIT_SPEED), in_memory_s, swapped.step_s - in_memory_step_s)
     if speed is not None:
-        problem, cut = _with_nvme_speed(problem, speed), _with_nvme_speed(cut, speed)
+        problem = _with_nvme_speed(problem, speed)
     if params_alone is not None:
         param_speed = _fitted_speed(_with_nvme_speed(cut, UNIT_SPEED), in_memory_s,
                                     params_alone.step_s - in_memory_step_s, states=False)

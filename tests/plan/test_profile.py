@@ -260,6 +260,7 @@ def test_a_model_held_whole_gets_an_engine_at_its_own_depth_where_the_host_has_r
     """The third calibration engine: the model's own depth (at most DEEPEST_CALIBRATION_LAYERS), only
     where the model is whole, deeper than the second engine, on the host, and the line through the
     shallow engines' peaks fits the memory free per rank."""
+    import psutil
     from transformers import AutoModelForCausalLM
 
     from lazyzero.plan.profile import engine_calibration as calibration
@@ -270,8 +271,6 @@ def test_a_model_held_whole_gets_an_engine_at_its_own_depth_where_the_host_has_r
         config.num_hidden_layers = layers
         with torch.device(device):
             return AutoModelForCausalLM.from_config(config)
-
-    import psutil
 
     free = calibration._free_host_bytes_per_rank()
     assert 0 < free <= psutil.virtual_memory().total

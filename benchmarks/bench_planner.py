@@ -334,7 +334,8 @@ def compared_results(work: Path, rounds: list[dict[str, list[dict]]]) -> tuple[d
         speedup_vs_fixed_rule=step_s["fixed_rule"] / step_s["planned"],
         speedup_vs_deepspeed_default=step_s["deepspeed_default"] / step_s["planned"],
         peak_over_budget_planned=peak["planned"] / budget)
-    details = {"step_s": step_s, "rounds": [
+    details = {"step_s": step_s, "first_plan_error_by_round": first_plan_error_by_round(work, len(rounds)),
+               "rounds": [
         {"order": list(done), "step_s": medians,
          "speedup_vs_fixed_rule": medians["fixed_rule"] / medians["planned"],
          "speedup_vs_deepspeed_default": medians["deepspeed_default"] / medians["planned"],
@@ -345,6 +346,22 @@ def compared_results(work: Path, rounds: list[dict[str, list[dict]]]) -> tuple[d
         "peak_over_budget": {name: value / budget for name, value in peak.items()},
         "model": MODEL, "seq_len": SEQ_LEN, "micro_batch": MICRO_BATCH, "ranks": RANKS}
     return results, details
+
+
+def first_plan_error_by_round(work: Path, rounds: int) -> list[dict]:
+    """Each round's planned run against its first plan's prediction: the first check (what the keys
+    report for round 1) and the median of every check of that plan. A later round reads round 1's
+    profile, so its first plan is the same one measured at another time: what separates the two is
+    the machine's drift, not the prediction."""
+    by_round = []
+    for index in range(rounds):
+        report = json.loads((work / f"round{index + 1}" / "planned" / "report.json").read_text())
+        checks = [check for check in report["plan_checks"] if check["plan_index"] == 0]
+        predicted = checks[0]["predicted_step_s"]
+        by_round.append({"predicted_step_s": predicted, "first_check_error": checks[0]["step_time_error"],
+                         "median_check_error": statistics.median(c["measured_step_s"] for c in checks) / predicted - 1,
+                         "checks": len(checks)})
+    return by_round
 
 
 if __name__ == "__main__":

@@ -76,12 +76,12 @@ def nvme_calibrated(problem: PlanProblem, in_memory_step_s: float, swapped, para
     test's."""
     cut = _cut(problem, swapped.layers)
     in_memory_s = _in_memory_prediction(cut)[0]
-    speed = _fitted_speed(_with_nvme_speed(cut, UNIT_SPEED), in_memory_s, swapped.step_s - in_memory_step_s)
+    at_unit_speed = _with_nvme_speed(cut, UNIT_SPEED)
+    speed = _fitted_speed(at_unit_speed, in_memory_s, swapped.step_s - in_memory_step_s)
     if speed is not None:
         problem = _with_nvme_speed(problem, speed)
     if params_alone is not None:
-        param_speed = _fitted_speed(_with_nvme_speed(cut, UNIT_SPEED), in_memory_s,
-                                    params_alone.step_s - in_memory_step_s, states=False)
+        param_speed = _fitted_speed(at_unit_speed, in_memory_s, params_alone.step_s - in_memory_step_s, states=False)
         if param_speed is not None:
             problem = _with_param_speed(problem, param_speed)
     return problem

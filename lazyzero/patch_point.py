@@ -1,5 +1,6 @@
 """The one door through which lazyzero changes DeepSpeed's classes, objects and module globals (and,
-under `lazyzero.patch_deepspeed()`, the Hugging Face Trainer's two checkpoint-folder rules).
+under `lazyzero.patch_deepspeed()`, the Hugging Face Trainer's checkpoint-folder rules and default
+callbacks; with lazy checkpoints, torch's `destroy_process_group`).
 
 lazyzero subclasses where DeepSpeed offers a class to subclass (the engine, the ZeRO-3 optimizer,
 checkpoint engines). Where it does not, a change goes through this module: `PATCH_POINTS` declares
@@ -157,6 +158,13 @@ PATCH_POINTS: tuple[PatchPoint, ...] = (
     PatchPoint("transformers.trainer:rotate_checkpoints", ROUTE,
                ("output_dir", "save_total_limit", "best_model_checkpoint", "use_mtime", "checkpoint_prefix"),
                "rotation never deletes the newest committed folder while a newer one is uncommitted"),
+    # The end of a job (checkpoint/job_end.py, checkpoint/trainer_end.py): queued lazy checkpoints commit first.
+    PatchPoint("transformers.trainer:DEFAULT_CALLBACKS", EXTEND, None,
+               "every Trainer built after patch_deepspeed() waits for lazy commits when train() ends, and stops "
+               "(saving, with checkpoint.save_on_sigterm) at the step every rank agrees on after a SIGTERM"),
+    PatchPoint("torch.distributed:destroy_process_group", ROUTE, ("group",),
+               "lazy checkpoints commit and their threads stop before the world group, on which their agreement "
+               "runs, is destroyed (Accelerate's end_training, a script's last line)"),
 )
 
 _BY_TARGET = {point.target: point for point in PATCH_POINTS}
@@ -249,6 +257,16 @@ def extend_list(module, name: str, item, *, owner: str) -> None:
     if item not in items:
         items.append(item)
         _record(point, module, owner)
+
+
+def retract_from_list(module, name: str, item, *, owner: str) -> bool:
+    """Take `item`, appended by `extend_list`, out of the list `module.name`; whether it was there."""
+    _declared(_target_of(module, name), EXTEND, f"{owner} retracts from {name}")
+    items = getattr(module, name)
+    if item not in items:
+        return False
+    items.remove(item)
+    return True
 
 
 def route_function(module, name: str, new: Callable, *, owner: str) -> None:

@@ -48,10 +48,12 @@ class Trainer:
         self.eval_samples: dict[str, list[dict]] = {}
 
     def _resume(self) -> int:
-        _, client_state = self.engine.load_checkpoint(self.args.save_dir)
-        if client_state is None or "step" not in client_state:
-            raise SystemExit(f"--resume: the checkpoint in {self.args.save_dir} has no lazyzero step record")
-        return int(client_state["step"])
+        load_path, client_state = self.engine.load_checkpoint(self.args.save_dir)
+        if load_path is None:
+            raise SystemExit(f"--resume: no checkpoint could be loaded from {self.args.save_dir}")
+        # One saved at a SIGTERM stop has no client state (docs/checkpoint.md, "SIGTERM and preemption");
+        # each step of this loop is one optimizer step, so its step is the engine's.
+        return int((client_state or {}).get("step", self.engine.global_steps))
 
     def _open_log(self) -> StepLog:
         self.output_dir.mkdir(parents=True, exist_ok=True)

@@ -13,9 +13,11 @@ import torch
 from deepspeed import comm as dist
 from deepspeed.utils import logger
 
+from lazyzero.checkpoint import job_end
 from lazyzero.checkpoint.folder_layout import MANIFEST_NAME, check_tag, read_latest
 from lazyzero.checkpoint.lazy_engine import LazyCheckpointEngine
 from lazyzero.checkpoint.manifest import CheckpointDamagedError, resolve_tag_to_load, verify_checkpoint
+from lazyzero.checkpoint.preemption import StopOnSigterm
 from lazyzero.checkpoint.rank_state import load_rank_state, rank_state_document, rank_state_path
 from lazyzero.checkpoint.verified_read import VerifiedFiles
 from lazyzero.distributed.job_failure import collective_timeout
@@ -23,9 +25,18 @@ from lazyzero.patch_point import PatchRefused, replace_method
 
 
 def lazy_checkpoint_engine(engine, verified: VerifiedFiles) -> LazyCheckpointEngine:
-    return LazyCheckpointEngine(engine.lazyzero_config.checkpoint, rank=dist.get_rank(),
-                                world_size=dist.get_world_size(), on_cuda=engine.device.type == "cuda",
-                                verified=verified, timeout=collective_timeout(engine.lazyzero_config))
+    """The engine's lazy checkpoint engine; the end of the job waits for its commits (job_end.py)."""
+    checkpoint_engine = LazyCheckpointEngine(engine.lazyzero_config.checkpoint, rank=dist.get_rank(),
+                                             world_size=dist.get_world_size(), on_cuda=engine.device.type == "cuda",
+                                             verified=verified, timeout=collective_timeout(engine.lazyzero_config))
+    job_end.register(checkpoint_engine)
+    return checkpoint_engine
+
+
+def stop_on_sigterm(engine) -> StopOnSigterm:
+    """The SIGTERM handler and agreement of a lazy-checkpoint engine (preemption.py); collective."""
+    return StopOnSigterm(dist.get_rank(), dist.get_world_size(), engine.lazyzero_config.checkpoint.save_on_sigterm,
+                         collective_timeout(engine.lazyzero_config))
 
 
 def route_deepspeed_loads(engine, verified: VerifiedFiles) -> None:

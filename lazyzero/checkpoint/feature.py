@@ -7,11 +7,14 @@ the snapshot is queued and the files are committed in the background."""
 from __future__ import annotations
 
 import os
+import sys
 from contextlib import nullcontext
 
 from lazyzero.checkpoint import engine_hooks
-from lazyzero.checkpoint.folder_layout import check_tag
+from lazyzero.checkpoint.folder_layout import check_tag, read_latest
+from lazyzero.checkpoint.job_end import finish_pending_checkpoints
 from lazyzero.checkpoint.nvme_restore import replay_cpu_adam_after_load, restore_nvme_offloaded_state
+from lazyzero.checkpoint.preemption import EXIT_STATUS, StopOnSigterm, stop_message
 from lazyzero.checkpoint.verified_read import VerifiedFiles
 
 
@@ -20,6 +23,8 @@ class CheckpointFeature:
         self.config = lazyzero_config
         self.inside_lazy_save = False
         self.verified = VerifiedFiles()
+        self.stop: StopOnSigterm | None = None
+        self.last_save_dir: str | None = None
 
     @property
     def lazy(self) -> bool:
@@ -31,6 +36,8 @@ class CheckpointFeature:
     def attach(self, engine) -> None:
         if not self.lazy:
             engine_hooks.route_deepspeed_loads(engine, self.verified)
+            return
+        self.stop = engine_hooks.stop_on_sigterm(engine)
 
     # --- saving ----------------------------------------------------------------------------------
 
@@ -39,6 +46,7 @@ class CheckpointFeature:
         check_tag(str(tag))
 
     def around_save(self, engine, save_dir, save_latest):
+        self.last_save_dir = str(save_dir)
         return engine_hooks.lazy_save(engine, self, save_dir, save_latest) if self.lazy else nullcontext()
 
     def writes_latest_itself(self, engine) -> bool:
@@ -60,6 +68,22 @@ class CheckpointFeature:
     def before_model_step(self, engine) -> None:
         if self.lazy:
             engine.checkpoint_engine.before_optimizer_step()
+
+    def after_optimizer_step(self, engine) -> None:
+        # Every rank reaches each optimizer step: where they agree on a SIGTERM (preemption.py).
+        if self.stop is None or not self.stop.agree(engine.global_steps) or self.stop.claimed_by:
+            return
+        saved = None
+        if self.config.checkpoint.save_on_sigterm and self.last_save_dir is not None:
+            engine.save_checkpoint(self.last_save_dir)
+            saved = f"global_step{engine.global_steps} in {self.last_save_dir}"
+        finish_pending_checkpoints(close=True)
+        self.stop.uninstall()
+        newest = read_latest(self.last_save_dir) if self.last_save_dir else None
+        if engine.global_rank == 0:
+            print(stop_message(self.stop.stop_step, saved, newest and f"{newest} in {self.last_save_dir}"),
+                  file=sys.stderr, flush=True)
+        raise SystemExit(EXIT_STATUS)
 
     def wait(self, engine) -> None:
         if self.lazy:
@@ -115,5 +139,7 @@ class CheckpointFeature:
                     checkpoint_commit_s=commit["queued_to_committed_s"])
 
     def close(self, engine) -> None:
+        if self.stop is not None:
+            self.stop.uninstall()
         if self.lazy and getattr(engine, "checkpoint_engine", None) is not None:
-            engine.checkpoint_engine.close()
+            engine.checkpoint_engine.close(self.config.checkpoint.exit_timeout_s)

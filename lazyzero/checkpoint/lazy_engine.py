@@ -60,6 +60,13 @@ class CheckpointFailedError(RuntimeError):
     """A background part of a lazy checkpoint failed; the checkpoint was not committed."""
 
 
+class CheckpointWaitTimeout(CheckpointFailedError):
+    """A queued checkpoint was not committed within the time the end of the job may wait for it."""
+
+
+PROGRESS_EVERY_S = 10.0  # how often a long wait for a commit says what it waits for
+
+
 @dataclass
 class PendingCheckpoint:
     tag: str
@@ -119,6 +126,7 @@ class LazyCheckpointEngine(CheckpointEngine):
             thread.start()
         # This rank's figures of the newest committed checkpoint (bytes it wrote, seconds).
         self.last_commit: dict | None = None
+        self.closed = False
 
     @property
     def holds_snapshot_memory(self) -> bool:
@@ -129,6 +137,9 @@ class LazyCheckpointEngine(CheckpointEngine):
 
     def prepare(self, save_dir: str, save_latest: bool, global_steps: int, barrier) -> None:
         """Before DeepSpeed's save: report earlier failures, clean leftovers once, take a buffer slot."""
+        if self.closed:
+            raise CheckpointFailedError("lazyzero: this engine's lazy checkpoints were closed (engine.destroy(), the "
+                                        "process group destroyed, or the end of the job): it saves no more")
         self.raise_failures()
         self.clean_leftovers(save_dir, barrier)
         started = time.perf_counter()
@@ -168,21 +179,34 @@ class LazyCheckpointEngine(CheckpointEngine):
 
     def before_optimizer_step(self) -> None:
         """The optimizer is about to change the state: wait for unfinished copies (not writes)."""
-        with self._lock:
-            pending = list(self._pending)
-        for checkpoint in pending:
+        for checkpoint in self.pending():
             started = time.perf_counter()
             self._wait_copies(checkpoint)
             checkpoint.step_wait_s += time.perf_counter() - started
         self.raise_failures()
 
-    def wait(self) -> None:
-        """Block until every queued checkpoint is committed or failed; raise a failure."""
-        with self._lock:
-            pending = list(self._pending)
-        for checkpoint in pending:
-            checkpoint.done.wait()
+    def wait(self, timeout_s: float | None = None, progress=None) -> None:
+        """Block until every queued checkpoint is committed or failed; raise a failure.
+        `timeout_s` bounds the whole wait (CheckpointWaitTimeout names the checkpoint still queued);
+        `progress(tag, save_dir, waited_s)` is called every PROGRESS_EVERY_S while it waits."""
+        started = time.perf_counter()
+        deadline = None if timeout_s is None else started + timeout_s
+        for checkpoint in self.pending():
+            while not checkpoint.done.wait(_wait_slice(deadline)):
+                waited = time.perf_counter() - started
+                if deadline is not None and time.perf_counter() >= deadline:
+                    raise CheckpointWaitTimeout(
+                        f"lazyzero: checkpoint {checkpoint.tag!r} in {checkpoint.save_dir} was not committed within "
+                        f"lazyzero.checkpoint.exit_timeout_s = {timeout_s:g} s; it is left uncommitted and the "
+                        "newest committed checkpoint is the one to resume from")
+                if progress is not None:
+                    progress(checkpoint.tag, checkpoint.save_dir, waited)
         self.raise_failures()
+
+    def pending(self) -> list[PendingCheckpoint]:
+        """The checkpoints queued and not yet committed or failed, oldest first."""
+        with self._lock:
+            return list(self._pending)
 
     def raise_failures(self) -> None:
         with self._lock:
@@ -190,17 +214,29 @@ class LazyCheckpointEngine(CheckpointEngine):
         if errors:
             raise CheckpointFailedError("lazyzero: " + "\n".join(errors))
 
-    def close(self) -> None:
-        """Finish what is queued, stop the threads; raises a failure of the last checkpoints."""
+    def close(self, timeout_s: float | None = None, progress=None) -> None:
+        """Finish what is queued (within `timeout_s`), then stop and join every background thread;
+        raises a failure of the last checkpoints. A second call does nothing. After a timeout the
+        threads are left running (one may be inside a collective): the process must exit."""
+        if self.closed:
+            return
         try:
-            self.wait()
-        finally:
-            self._copy_queue.put(None)
-            self._flush_queue.put(None)
-            for thread in self._threads:
-                thread.join()
-            self._writers.shutdown(wait=True)
-            self._staging.close()
+            self.wait(timeout_s, progress)
+        except CheckpointWaitTimeout:
+            raise
+        except CheckpointFailedError:
+            self._stop_threads()  # every checkpoint ended, one of them failed
+            raise
+        self._stop_threads()
+
+    def _stop_threads(self) -> None:
+        self.closed = True
+        self._copy_queue.put(None)
+        self._flush_queue.put(None)
+        for thread in self._threads:
+            thread.join()
+        self._writers.shutdown(wait=True)
+        self._staging.close()
 
     # --- DeepSpeed's CheckpointEngine interface --------------------------------------------------
 
@@ -421,6 +457,13 @@ def _lower_priority() -> None:
         os.sched_setscheduler(threading.get_native_id(), os.SCHED_IDLE, os.sched_param(0))
     except (AttributeError, OSError):
         pass  # not Linux: normal priority
+
+
+def _wait_slice(deadline: float | None) -> float:
+    """How long one wait for a commit may block before progress is reported or the deadline checked."""
+    if deadline is None:
+        return PROGRESS_EVERY_S
+    return max(0.0, min(PROGRESS_EVERY_S, deadline - time.perf_counter()))
 
 
 def bytes_to_write(files: list[FileSnapshot]) -> int:

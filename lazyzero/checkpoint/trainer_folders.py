@@ -92,6 +92,9 @@ def route_trainer_folder_rules() -> bool:
     try:
         route_function(trainer, "get_last_checkpoint", get_last_committed_checkpoint, owner=OWNER)
         route_function(trainer, "rotate_checkpoints", rotate_keeping_committed, owner=OWNER)
+        from lazyzero.checkpoint.trainer_end import add_to_default_callbacks
+
+        add_to_default_callbacks()
     except (PatchRefused, AttributeError) as err:
         import logging
 
@@ -110,3 +113,6 @@ def unroute_trainer_folder_rules() -> None:
     if trainer is not None:
         for name in ("get_last_checkpoint", "rotate_checkpoints"):
             unroute_function(trainer, name, owner=OWNER)
+        from lazyzero.checkpoint.trainer_end import remove_from_default_callbacks
+
+        remove_from_default_callbacks()

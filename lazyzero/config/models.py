@@ -296,6 +296,16 @@ class CheckpointConfig(ConfigSection):
     """Load checkpoint files that hold types other than tensors, containers, numbers and DeepSpeed's few
     (lazyzero/safe_load.py). Loading such a file runs code it names: only for folders you trust."""
 
+    exit_timeout_s: float = Field(1800.0, ge=1)
+    """Seconds the end of a job (the Trainer's train() returning, engine.destroy(), the world process group destroyed,
+    the interpreter's exit, a SIGTERM stop) waits for queued checkpoints to commit, saying every 10 s what it waits
+    for; past it the checkpoint is reported uncommitted and the process exits with status 1."""
+
+    save_on_sigterm: bool = False
+    """On SIGTERM (a cluster's preemption) every rank stops at the next optimizer step all of them reach, commits
+    the checkpoints in flight and exits with status 143; true also saves one more checkpoint at that step first (the
+    Trainer's next checkpoint-N folder, or DeepSpeed's default tag in the folder of the engine's last save)."""
+
 
 class DistributedConfig(ConfigSection):
     """How long a rank waits for the others: the job's collectives, with or without any capability on."""

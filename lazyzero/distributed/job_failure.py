@@ -20,6 +20,10 @@ from __future__ import annotations
 import sys
 from datetime import timedelta
 
+# Called, in order, before an uncaught error aborts the MPI job, when no peer was lost (the lazy
+# checkpoints' end of job registers here: checkpoint/job_end.py). Each reports its own failures.
+BEFORE_MPI_ABORT: list = []
+
 # What gloo's errors say when a peer is gone (the process died) or silent (stopped) past the timeout.
 PEER_LOST_MESSAGES = ("Connection closed by peer", "Timed out waiting", "Connection reset by peer")
 
@@ -60,6 +64,9 @@ def end_job_on_uncaught_error(timeout: timedelta) -> None:
             print(f"lazyzero: another rank stopped answering (dead, or stopped for longer than "
                   f"lazyzero.distributed.timeout_s = {hook.lazyzero_timeout.total_seconds():g} s); "
                   "this rank ends the job", file=sys.stderr, flush=True)
+        elif _mpi_job_running():
+            for finish in BEFORE_MPI_ABORT:  # work the abort would cut short, with every peer still there
+                finish()
         _abort_mpi_job()
 
     hook.lazyzero_timeout = timeout
@@ -75,10 +82,15 @@ def peer_lost(error: BaseException | None) -> bool:
     return False
 
 
-def _abort_mpi_job() -> None:
+def _mpi_job_running() -> bool:
     mpi = sys.modules.get("mpi4py.MPI")
-    if mpi is None or not mpi.Is_initialized() or mpi.Is_finalized():
+    return mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized()
+
+
+def _abort_mpi_job() -> None:
+    if not _mpi_job_running():
         return
+    mpi = sys.modules["mpi4py.MPI"]
     sys.stdout.flush()
     sys.stderr.flush()
     mpi.COMM_WORLD.Abort(1)

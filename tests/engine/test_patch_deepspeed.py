@@ -38,15 +38,21 @@ def test_patch_routes_deepspeed_initialize_once_and_unpatch_restores_the_origina
     lazyzero.patch_deepspeed()
     assert deepspeed.initialize is routed is not original
     assert routed_to(deepspeed, "initialize") is initialize_from_any_caller
-    # With transformers installed, the Trainer's two folder rules are routed too (checkpoint/trainer_folders.py).
+    # With transformers installed, the Trainer's two folder rules are routed too (checkpoint/trainer_folders.py),
+    # and its default callbacks get the end-of-training one (checkpoint/trainer_end.py).
     assert [(p.target, p.owner) for p in applied_patches()[before:]] == [
         ("deepspeed:initialize", OWNER), ("transformers.trainer:get_last_checkpoint", OWNER),
-        ("transformers.trainer:rotate_checkpoints", OWNER)]
+        ("transformers.trainer:rotate_checkpoints", OWNER), ("transformers.trainer:DEFAULT_CALLBACKS", OWNER)]
+    from transformers import trainer
+
+    from lazyzero.checkpoint.trainer_end import LazyCheckpointsCallback
+
+    assert trainer.DEFAULT_CALLBACKS.count(LazyCheckpointsCallback) == 1
     # Callers see DeepSpeed's name, docstring and parameters; the internals check reads the original's.
     assert routed.__doc__ == original.__doc__ and inspect.signature(routed) == inspect.signature(original)
     assert original_parameters(routed) == original_parameters(original)
     assert lazyzero.unpatch_deepspeed() is True
-    assert deepspeed.initialize is original
+    assert deepspeed.initialize is original and LazyCheckpointsCallback not in trainer.DEFAULT_CALLBACKS
     assert lazyzero.unpatch_deepspeed() is False
 
 

@@ -86,7 +86,7 @@ def plan_for_the_run(ds_config: dict, seq_len: int, save_every: int) -> None:
 
 
 def bound_heap_of_planned_runs(ds_config: dict) -> None:
-    """A planned run on the host bounds its heap before the model is built (docs/plan.md, step 1):
+    """A planned run on the host bounds its heap before the model is built (docs/plan.md, "How it works", step 4):
     applied only when the planner starts, the model's parameters, freed by ZeRO-3's partitioning,
     stay in heap arenas the resident set never gives back (about 45 MB on the main job)."""
     import torch

@@ -32,12 +32,10 @@ GATED_MLP_PARTS = ("gate_proj", "up_proj", "down_proj", "act_fn")
 
 # Elements per piece of rows in a norm's backward and rebuilt output. HF's RMSNorm differentiated
 # by autograd holds several fp32 copies of its input at once, which at long sequences set the
-# step's peak memory. On the CPU a piece whose fp32 copies fit in L2 also keeps the chain of
-# elementwise passes in cache: a [8, 512, 512] bf16 RMSNorm backward took 6.0 ms in pieces of 2^17
-# elements against 13.7 ms in pieces of 2^20 here. On a GPU each piece costs a dozen kernel launches
-# (about 5 us of host time each) whatever its size: a piece of 2^22 elements, whose every fp32 pass
-# moves 32 MB (about 10 us on an H200's 3.4 TB/s), keeps the launches from setting the pace; pieces of
-# 2^20 had a 1b model's step (8192 positions) spend most of its time launching (docs/activations.md).
+# step's peak memory. On the CPU a piece is sized so that its fp32 copies fit in L2, which also keeps
+# the chain of elementwise passes in cache. On a GPU each piece costs a dozen kernel launches whatever
+# its size, so a piece is sized for each fp32 pass to take longer than launching it
+# (docs/activations.md, "On a GPU"; measurements: benchmarks/results/records/2026-12-02-activations-runs.md).
 DEVICE_PIECE_ELEMENTS = 1 << 22
 CPU_PIECE_ELEMENTS = 1 << 17
 

@@ -1,13 +1,13 @@
-"""Planning problems corrected by measurements (docs/plan.md).
+"""Planning problems corrected by measurements (docs/plan.md, "How it works" and "The calibration engines").
 
 `engine_calibrated`, before a run: the profile's engine calibration (real engines of the model cut to
-a few decoder layers, everything in memory, profile_engine.py) against what the problem predicts
+a few decoder layers, everything in memory, profile/engine_calibration.py) against what the problem predicts
 for the same engines. The difference between the shallowest and the deepest engines' errors, per
 layer between them, is DeepSpeed's own cost per layer (module hooks, gathers, buckets, partition
 copies), split 1:2 into each decoder layer's forward and backward; what remains of the shallowest
 engine's error is its cost per step, added to the head's backward. The engines' memory above the
 prediction is split the same way (`engine_memory_excess`): a fixed part moves the workspace, a part
-per decoder layer is held by each layer whose parameters stay in compute memory.
+per decoder layer is held by each layer whose parameters and optimizer state stay in compute memory.
 
 `calibrated_problem`, during a run (re-planning): every compute time (layer forward, backward,
 optimizer) is scaled by measured / predicted step time, and the compute memory's workspace moves by
@@ -66,14 +66,12 @@ def nvme_calibrated(problem: PlanProblem, in_memory_step_s: float, swapped, para
     optimizer state on NVMe, all at that speed) costs what it measured; `params_alone` (its decoder
     layers' parameters on NVMe, or None) then prices the parameters' own copies
     (`Machine.nvme_param_bytes_per_s`) at the speed that reproduces what it costs over memory. The
-    states are not priced at what `swapped` leaves once `params_alone` is taken out: that residual is a
-    difference of two differences of medians, and on the `1b` preset it moved 2.2 x between two runs
-    (0.81 and 1.82 s) while their steps did not (docs/plan.md, "A run larger than memory"). Parameters
-    being slower per byte, this prices state copies somewhat slow. One speed for both directions: the
-    disk test's ratio of read to write moved from 0.6 to 2 between runs of the `1b` preset on one
-    machine while the run's step did not. An engine measured no slower than the one it is compared
-    with (noise) prices nothing: parameters then go at the other copies' speed, and those at the disk
-    test's."""
+    states are not priced at what `swapped` leaves once `params_alone` is taken out: a difference of two
+    differences of medians is noise, not a speed. Parameters being slower per byte, this prices state
+    copies somewhat slow. One speed for both directions: the disk test's ratio of read to write does not
+    follow the run's step. An engine measured no slower than the one it is compared with (noise) prices
+    nothing: parameters then go at the other copies' speed, and those at the disk test's. Why each rule:
+    docs/plan.md, "The calibration engines", and the records it links."""
     cut = _cut(problem, swapped.layers)
     in_memory_s = _in_memory_prediction(cut)[0]
     at_unit_speed = _with_nvme_speed(cut, UNIT_SPEED)
@@ -132,13 +130,12 @@ def engine_memory_excess(errors) -> tuple[float, float]:
     (decoder layers, measured - predicted engine bytes) of the two calibration engines.
 
     What an engine holds beyond the formulas grows with its depth (DeepSpeed's and the allocator's
-    memory per layer: the demo preset's engines, each in a fresh process, measured 57, 94 and 134 MB
-    above the prediction at 1, 3 and 6 layers), so the line through the two errors is split into its
-    value at 0 layers (the workspace's) and its slope, which each decoder layer holds while its
-    parameters and optimizer state are in compute memory (`LayerCosts.engine_excess_held`): the
-    calibration engines hold every layer in memory, and a layer with either on NVMe held none of it
-    (the `1b` preset's plans, docs/plan.md). A line that falls with depth is noise, not memory an engine gives
-    back: the larger measured error is then fixed. Never below 0: an engine's peak is measured above
+    memory per layer), so the line through the two errors is split into its value at 0 layers (the
+    workspace's) and its slope, which each decoder layer holds while its parameters and optimizer state
+    are in compute memory (`LayerCosts.engine_excess_held`): the calibration engines hold every layer in
+    memory, and a layer with either elsewhere holds none of it (docs/plan.md, "The calibration
+    engines"). A line that falls with depth is noise, not memory an engine gives back: the larger
+    measured error is then fixed. Never below 0: an engine's peak is measured above
     the resident set its process had before it was built, which includes heap the process had freed
     and the engine then reuses (the import of transformers, the model's creation), so a measured
     engine can look smaller than it is, never larger."""

@@ -5,7 +5,7 @@ turn the profile into the planning problem of one rank (`problem_from_profile`),
 and broadcast the plan (CBC under a time limit need not give every rank the same answer), and
 rewrite the DeepSpeed config into the one the plan implies (`lazyzero.plan.implied`). The engine
 is then built from that config, with the plan beside it so that it can compare what it measures with
-what was predicted (`plan_monitor.py`).
+what was predicted (`monitor.py`).
 """
 
 from __future__ import annotations

@@ -146,7 +146,7 @@ def _set_optimizer_offload(zero: dict, problem: PlanProblem, plan: Plan, nvme_pa
 
 
 def calibration_ds_config(base: dict, sizes: ModelSizes, nvme_path: str | None, offload_to_nvme: bool) -> dict:
-    """The DeepSpeed config the profile's engine calibration runs (profile_engine.py): the run's own
+    """The DeepSpeed config the profile's engine calibration runs (profile/engine_calibration.py): the run's own
     ZeRO-3 settings with every tensor in memory, and no "lazyzero" section."""
     config = copy.deepcopy(base)
     config.pop("lazyzero", None)

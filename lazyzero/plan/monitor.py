@@ -33,10 +33,10 @@ from lazyzero.plan.host_memory import peak_resident_bytes, reset_peak_resident
 # should be reported, not chased.
 MAX_REPLANS = 2
 # Checks in a row beyond the margin before a re-plan: one check is a median of a few steps, and one
-# burst of load from another process moved one by 20% and spent a re-plan on it (the README job on an
-# Intel Xeon, docs/plan.md, Limits). A slow spell of two checks then re-planned the README job on an
-# AMD EPYC to a step 12% slower than the rest of its run, so the plan's typical check must be beyond
-# the margin too, and is what the new plan is calibrated with.
+# burst of load from another process moved one by 20% and spent a re-plan on it; a slow spell of two
+# checks then re-planned to a step 12% slower than the rest of the run, so the plan's typical check must
+# be beyond the margin too, and is what the new plan is calibrated with (the README job's runs:
+# benchmarks/results/records/2026-12-05-planner-readme-job-runs.md).
 CONFIRMING_CHECKS = 2
 
 

@@ -106,7 +106,8 @@ class LayerCosts:
         """Bytes of `engine_excess_bytes` this layer holds under that placement: all of it only where
         its parameters and optimizer state both stay in compute memory, as on the calibration engines.
         A layer with either on another tier held none of it in every run measured (the `1b` preset's
-        layers with parameters in memory and states on NVMe, docs/plan.md Measured)."""
+        layers with parameters in memory and states on NVMe,
+        benchmarks/results/records/2026-12-04-planner-1b-runs.md)."""
         return self.engine_excess_bytes if param_tier == state_tier == "gpu" else 0
 
     def __post_init__(self):

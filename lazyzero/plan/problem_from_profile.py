@@ -285,9 +285,10 @@ def _optimizer_rates(profile: ModelProfile, shape: RankShape, always_offloaded: 
     # What DeepSpeed steps offloaded fp32 states with (`DeepSpeedEngine.get_optimizer_configuration`):
     # torch's AdamW where the config asks for it, else its CPU Adam. The calibration engines run the same
     # config, so pricing anything else there would leave the difference in DeepSpeed's per-layer cost
-    # (calibrate.engine_calibrated), which then stayed in plans that step with lazyzero's 8-bit AdamW:
-    # 2.7 s of the `1b` run's 24 s prediction (docs/plan.md). On CUDA torch's AdamW was timed on the
-    # device only, so the host's is priced as DeepSpeed's CPU Adam.
+    # (calibrate.engine_calibrated), which then stayed in plans that step with lazyzero's 8-bit AdamW
+    # (2.7 s of the `1b` run's 24 s prediction: benchmarks/results/records/2026-12-04-planner-bench-runs.md,
+    # "The calibration engines' own optimizer"). On CUDA torch's AdamW was timed on the device only, so
+    # the host's is priced as DeepSpeed's CPU Adam.
     torch_on_host = shape.torch_adam and "torch_adamw" in speeds and speeds["torch_adamw"].device == "cpu"
     host_fp32 = "deepspeed_cpu_adam" if "deepspeed_cpu_adam" in speeds and not torch_on_host else "torch_adamw"
     rates = {"gpu_adam_s_per_byte": per_byte(host_fp32 if always_offloaded else "torch_adamw", 8),

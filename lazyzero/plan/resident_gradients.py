@@ -8,7 +8,8 @@ boundary it widens each gradient of a swapped sub-group to fp32 and writes that 
 the read, before it can step the sub-group. The flat buffer still holds the same values when the step
 runs: nothing writes it between the boundary and the next backward. So the write and the read move
 bytes the host already has: 8 of the 20 bytes per parameter that a layer with its 8-bit state on
-NVMe moves each step, 4 of them read while nothing else runs (docs/plan.md, Measured).
+NVMe moves each step, 4 of them read while nothing else runs (docs/plan.md, "How it works", step 4;
+the A/B that measured it: benchmarks/results/records/2026-12-04-planner-bench-runs.md).
 
 `ResidentGradients`, mixed into the planner's stage-3 optimizer (zero_placement.py), records instead
 where each gradient of a swapped sub-group lies in the flat buffer, and when the sub-group is swapped

@@ -1,5 +1,5 @@
 """Per-layer tiers under ZeRO-3: which parameters keep their optimizer state, and their 16-bit
-partitions, on NVMe, and which in memory (docs/plan.md, "per-layer parameter tiers").
+partitions, on NVMe, and which in memory (docs/plan.md, "How it works", step 4).
 
 DeepSpeed 0.19.8 has one device for all optimizer state (`offload_optimizer.device`) and one for all
 parameters (`offload_param.device`). With NVMe it swaps every sub-group (a stretch of about

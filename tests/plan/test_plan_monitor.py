@@ -84,8 +84,9 @@ def test_fast_steps_are_as_far_off_as_slow_ones(one_rank_group, monkeypatch):
 
 
 def test_a_slow_spell_among_checks_near_the_prediction_does_not_replan(one_rank_group, monkeypatch):
-    # The README job on an AMD EPYC (docs/plan.md): two checks 19% and 23% over between checks within
-    # 10%; calibrated with the spell, its re-plan then ran 12% under what it predicted.
+    # The README job on an AMD EPYC: two checks 19% and 23% over between checks within 10%; calibrated
+    # with the spell, its re-plan then ran 12% under what it predicted
+    # (benchmarks/results/records/2026-12-05-planner-readme-job-runs.md).
     watcher, replanned_with = run_checks(monkeypatch, [1.09, 1.05, 1.08, 1.19, 1.23, 1.06, 1.04, 1.07])
     assert replanned_with == [] and not any(check.replanned for check in watcher.checks)
 

@@ -15,13 +15,10 @@ import typing
 from dataclasses import asdict, dataclass
 
 PROFILE_KIND = "lazyzero.profile"
-# 5: each engine calibration depth measured in a fresh process (version 4 ran both in one, whose
-# second engine reused the first one's freed memory and looked smaller than it is).
-# 6: the engine calibration has an engine with its decoder layers swapped to NVMe where the run may
-# swap there (a version-5 profile priced NVMe at the disk test alone).
-# 7: a fourth engine with the decoder layers' parameters alone on NVMe.
-# 8: the NVMe engines' gradients stay in host memory (plan/resident_gradients.py): their times no
-# longer include gradient copies, which version 7 priced with the state's.
+# Raised whenever what a profile measures, or what its figures mean, changes: a cached profile of
+# another version is refused and measured again (`ModelProfile.from_json`), never reinterpreted
+# (docs/plan.md, "How it works"; what each version added: the profile versions in
+# benchmarks/results/records/2026-12-02-planner-calibration-notes.md).
 PROFILE_VERSION = 8
 DECODER = "decoder"
 EMBED_AND_HEAD_KIND = "embed_and_head"
@@ -174,7 +171,7 @@ class MemorySnapshot:
 
 @dataclass(frozen=True)
 class EngineRun:
-    """A real DeepSpeed engine of the model cut to `layers` decoder layers (profile_engine.py):
+    """A real DeepSpeed engine of the model cut to `layers` decoder layers (engine_calibration.py):
     median `step_s` over the timed steps, the process's peak resident set over them, its resident
     set before the engine was built, and the bytes of the model's parameters it was given (in
     `before_bytes`; ZeRO-3 frees them as it partitions). `nvme`: its decoder layers' parameters and

@@ -1,39 +1,31 @@
-"""Engine calibration in the planner's profile (docs/plan.md): what DeepSpeed itself costs around the layers.
+"""Engine calibration in the planner's profile: what DeepSpeed itself costs around the layers
+(docs/plan.md, "The calibration engines").
 
-The per-layer measurements of `profile_layers.py` time a layer alone. A ZeRO-3 engine adds its own
-work around every layer (parameter gathers and releases through its module hooks, gradient
-buckets, copies into partitions, the fp32 master update) and around every step, and memory of its
-own (buckets, flat buffers, the allocator's slack). Measured on this machine for a 103M-parameter
-bf16 Llama on 2 ranks: 3.64 s per step in memory against 2.6 s from the layers, collectives and
-optimizer alone. Those costs are real and must be in the prediction, so they are measured the only
+The per-layer measurements of `layers.py` time a layer alone. A ZeRO-3 engine adds its own work around
+every layer (parameter gathers and releases through its module hooks, gradient buckets, copies into
+partitions, the fp32 master update) and around every step, and memory of its own (buckets, flat
+buffers, the allocator's slack). Those costs must be in the prediction, so they are measured the only
 way that includes them: real engines of the same model cut to 1 and to 3 decoder layers, built with
-the run's ZeRO settings (everything in memory), a few steps each. `calibrate.engine_calibrated`
-turns the difference between the two into a per-layer overhead and the rest into a per-step one.
-
-Where the run may swap to NVMe (its optimizer is offloaded there), a third engine, of 3 decoder layers,
-has every decoder layer's parameters and optimizer state on NVMe, as a plan that puts layers there
-runs them. A plan's NVMe time is DeepSpeed's swappers reading one layer's parameters at a time,
-synchronously, while training; the profile's disk test (one large file, nothing else running) moved
-over 4x between runs of the `1b` preset while that preset's step did not (docs/plan.md). So the time
-the NVMe engine adds over the in-memory engine of its depth is what the plan's NVMe traffic is
-priced at (`calibrate.nvme_calibrated`). Where parameters may go to NVMe, a fourth engine has only the
-decoder layers' parameters there: DeepSpeed reads them a tensor at a time before each use, at about
-half the speed per byte of the optimizer state's pipelined blocks in bench_planner's runs
-(docs/plan.md), so parameters are priced at their own speed.
+the run's ZeRO settings (everything in memory), a few steps each. `calibrate.engine_calibrated` turns
+the line through the shallowest and the deepest engine into a per-layer and a per-step overhead.
 
 On the host (no GPU), a model held whole on every rank with more decoder layers than the second engine
 is also run at its own depth (at most DEEPEST_CALIBRATION_LAYERS) where the line through the first two
 engines' peaks says it fits the memory the host has free: DeepSpeed's cost per layer grows with depth
-under the planned runs' allocator bound (`host_memory.py`). The demo preset's engines of 1, 3 and 6
-layers took 0.43, 1.17 and 2.48 s, and 0.57, 1.32 and 2.66 s, where the line through 1 and 3 gives
-2.27 and 2.43 s at 6 (docs/plan.md, "The engines at the model's depth"). A model partitioned at
-construction or on the meta device is taken not to fit whole and keeps the two shallow engines.
+under the planned runs' allocator bound (`host_memory.py`). A model partitioned at construction or on
+the meta device is taken not to fit whole and keeps the two shallow engines.
+
+Where the run may swap to NVMe (its optimizer is offloaded there), one more engine of 3 decoder layers
+has every decoder layer's parameters and optimizer state on NVMe, as a plan that puts layers there runs
+them, and what it adds over the in-memory engine of its depth prices the plan's NVMe traffic
+(`calibrate.nvme_calibrated`); the profile's disk test does not follow what a run's swaps take. Where
+parameters may go to NVMe, another has only the decoder layers' parameters there: DeepSpeed reads them
+a tensor at a time before each use, so they are priced at their own speed.
 
 Each engine runs in a fresh child process per rank, with a process group of its own: a DeepSpeed
-engine does not give its memory back when destroyed (330 MB per pair of 1- and 2-layer engines here,
-three pairs in a row measured), so the planned run must not start with that garbage in its budget,
-and a second engine in the same process would reuse it and look smaller than it is (the demo preset's
-3-layer engine: 316 MB alone, 249 MB after the 1-layer one).
+engine does not give its memory back when destroyed, so the planned run must not start with that
+garbage in its budget, and a second engine in the same process would reuse it and look smaller than it
+is. The measurements behind these rules: benchmarks/results/records/2026-12-02-planner-calibration-notes.md.
 
     python -m lazyzero.plan.profile.engine_calibration REQUEST.json   (what each rank's child runs)
 """
@@ -67,8 +59,7 @@ NVME_CALIBRATION_LAYERS = CALIBRATION_LAYERS[-1]
 # a 12-layer model (the demo preset has 6 layers, bench_planner's model 8).
 DEEPEST_CALIBRATION_LAYERS = 12
 # The NVMe engine times this many times the steps of the others: a disk's speed wanders from step to
-# step more than compute does (the `1b` preset's 3-layer NVMe engine: 2.7 and 3.7 s over memory in
-# two profiles 8 minutes apart, median of 5 steps each).
+# step more than compute does (benchmarks/results/records/2026-12-02-planner-calibration-notes.md).
 NVME_STEPS_FACTOR = 2
 WARMUP_STEPS = 1
 CHILD_TIMEOUT_S = 1800

@@ -8,9 +8,10 @@ from contextlib import nullcontext
 from lazyzero.activations.engine_setup import ActivationMemory
 from lazyzero.config.models import ActivationsConfig
 from lazyzero.config.plan_checks import PLANNED_FIELDS
+from lazyzero.feature import Feature
 
 
-class ActivationsFeature:
+class ActivationsFeature(Feature):
     def __init__(self, lazyzero_config, **_):
         self.config = lazyzero_config
         self.memory: ActivationMemory | None = None

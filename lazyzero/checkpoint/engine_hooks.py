@@ -21,6 +21,7 @@ from lazyzero.checkpoint.preemption import StopOnSigterm
 from lazyzero.checkpoint.rank_state import load_rank_state, rank_state_document, rank_state_path
 from lazyzero.checkpoint.verified_read import VerifiedFiles
 from lazyzero.distributed.job_failure import collective_timeout
+from lazyzero.feature import Feature
 from lazyzero.patch_point import PatchRefused, replace_method
 
 
@@ -74,7 +75,7 @@ def lazy_save(engine, feature, save_dir: str, save_latest: bool):
 def save_rank_state(engine, save_dir: str, tag: str) -> None:
     """lazyzero_rank<R>.pt through the engine's checkpoint engine, inside DeepSpeed's save (so before
     'latest' is written, and in the same lazy commit)."""
-    if not engine.lazyzero_features.any("keeps_rank_state", engine):
+    if not engine.lazyzero_features.any(Feature.keeps_rank_state, engine):
         return
     document = rank_state_document(engine.global_rank, engine.world_size, engine.lazyzero_rank_state())
     engine.checkpoint_engine.save(document, str(rank_state_path(os.path.join(save_dir, tag), engine.global_rank)))
@@ -128,13 +129,13 @@ def prepare_load(engine, lazy: bool, load_dir: str, tag: str | None, verified: V
 
 def restore_rank_state(engine, tag_dir: str) -> None:
     features = engine.lazyzero_features
-    if not features.any("keeps_rank_state", engine):
+    if not features.any(Feature.keeps_rank_state, engine):
         return
     state, why_not = load_rank_state(tag_dir, engine.global_rank, engine.world_size)
     if state is None:
         logger.warning(f"lazyzero: {why_not}; int8 error-feedback residuals restart from zero, RNG states are kept")
         return
-    features.call("load_rank_state", engine, state)
+    features.call(Feature.load_rank_state, engine, state)
 
 
 def rng_state() -> dict:

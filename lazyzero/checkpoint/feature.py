@@ -7,18 +7,18 @@ the snapshot is queued and the files are committed in the background."""
 from __future__ import annotations
 
 import os
-import sys
 from contextlib import nullcontext
 
 from lazyzero.checkpoint import engine_hooks
 from lazyzero.checkpoint.folder_layout import check_tag, read_latest
 from lazyzero.checkpoint.job_end import finish_pending_checkpoints
 from lazyzero.checkpoint.nvme_restore import replay_cpu_adam_after_load, restore_nvme_offloaded_state
-from lazyzero.checkpoint.preemption import EXIT_STATUS, StopOnSigterm, stop_message
+from lazyzero.checkpoint.preemption import StopOnSigterm, stop_message
 from lazyzero.checkpoint.verified_read import VerifiedFiles
+from lazyzero.feature import Feature
 
 
-class CheckpointFeature:
+class CheckpointFeature(Feature):
     def __init__(self, lazyzero_config, **_):
         self.config = lazyzero_config
         self.inside_lazy_save = False
@@ -80,10 +80,7 @@ class CheckpointFeature:
         finish_pending_checkpoints(close=True)
         self.stop.uninstall()
         newest = read_latest(self.last_save_dir) if self.last_save_dir else None
-        if engine.global_rank == 0:
-            print(stop_message(self.stop.stop_step, saved, newest and f"{newest} in {self.last_save_dir}"),
-                  file=sys.stderr, flush=True)
-        raise SystemExit(EXIT_STATUS)
+        self.stop.exit(stop_message(self.stop.stop_step, saved, newest and f"{newest} in {self.last_save_dir}"))
 
     def wait(self, engine) -> None:
         if self.lazy:
@@ -91,7 +88,7 @@ class CheckpointFeature:
 
     # --- loading ---------------------------------------------------------------------------------
 
-    def before_load(self, engine, request=None) -> None:
+    def before_load(self, engine) -> None:
         # Loading changes the state: a snapshot still being taken must end first.
         if self.lazy:
             engine.checkpoint_engine.before_optimizer_step()

@@ -64,6 +64,15 @@ class StopOnSigterm:
             self.stop_step = step
         return self.stop_step is not None
 
+    def exit(self, message: str) -> None:
+        """Rank 0 prints `message`; every rank then waits for the others, so that none exits (and
+        has its launcher end the rest, as mpirun does) before that line is out; then exits 143."""
+        if self.rank == 0:
+            print(message, file=sys.stderr, flush=True)
+        if self._group is not None:
+            torch.distributed.barrier(group=self._group)
+        raise SystemExit(EXIT_STATUS)
+
     def uninstall(self) -> None:
         """Give SIGTERM back the handler it had before (the training is over)."""
         global _active

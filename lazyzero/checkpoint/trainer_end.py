@@ -50,11 +50,9 @@ class LazyCheckpointsCallback(TrainerCallback):
         stop.uninstall()
         if stop.stop_step is None:
             return
-        if stop.rank == 0:
-            newest = get_last_committed_checkpoint(args.output_dir)
-            saved = newest if stop.save and newest and newest.endswith(f"-{stop.stop_step}") else None
-            print(preemption.stop_message(stop.stop_step, saved, newest), file=sys.stderr, flush=True)
-        raise SystemExit(preemption.EXIT_STATUS)
+        newest = get_last_committed_checkpoint(args.output_dir) if stop.rank == 0 else None
+        saved = newest if stop.save and newest and newest.endswith(f"-{stop.stop_step}") else None
+        stop.exit(preemption.stop_message(stop.stop_step, saved, newest))
 
 
 def add_to_default_callbacks() -> None:

@@ -57,6 +57,7 @@ def initialize(
     from lazyzero.distributed.shm_segments import release_own_segment_name
     from lazyzero.engine.engine import LazyZeroEngine
     from lazyzero.engine.features import FeatureSet
+    from lazyzero.feature import Feature
 
     _check_deepspeed_internals(lazyzero_config)
     if isinstance(model, PipelineModule):
@@ -80,14 +81,14 @@ def initialize(
     # Features that decide settings before DeepSpeed reads them (the planner) rewrite the config;
     # the engine's features are then built from the config DeepSpeed will read.
     inputs = {}
-    for prepared in FeatureSet(lazyzero_config).call("prepare_run", model, ds_config, lazyzero_config, dist):
+    for prepared in FeatureSet(lazyzero_config).call(Feature.prepare_run, model, ds_config, lazyzero_config, dist):
         if prepared is not None:
             ds_config, lazyzero_config = prepared.pop("ds_config"), prepared.pop("lazyzero_config")
             inputs.update(prepared)
     features = FeatureSet(lazyzero_config, **inputs)
     _check_nvme_room(ds_config, model, dist.get_world_size())
     config_class = DeepSpeedConfig(ds_config, mpu, mesh_device=mesh_device)
-    features.call("check_parsed_config", config_class, model)
+    features.call(Feature.check_parsed_config, config_class, model)
     deepspeed.set_optimizer_flags(config_class, model)
     engine = LazyZeroEngine(args=args, model=model, optimizer=optimizer,
                             model_parameters=model_parameters, training_data=training_data,

@@ -4,10 +4,11 @@ are per-rank state saved with checkpoints."""
 
 from __future__ import annotations
 
+from lazyzero.feature import Feature
 from lazyzero.gradients.zero_hooks import install_int8_gradients
 
 
-class Int8GradientsFeature:
+class Int8GradientsFeature(Feature):
     def __init__(self, lazyzero_config, **_):
         self.config = lazyzero_config
         self.exchange = None

@@ -6,12 +6,13 @@ from __future__ import annotations
 
 from contextlib import nullcontext
 
+from lazyzero.feature import Feature
 from lazyzero.optimizer import engine_setup, zero3_reshard
 from lazyzero.optimizer import reshard as optimizer_reshard
 from lazyzero.optimizer.nvme_swap import eight_bit_state_swapping
 
 
-class EightBitOptimizerFeature:
+class EightBitOptimizerFeature(Feature):
     def __init__(self, lazyzero_config, **_):
         self.config = lazyzero_config
         self.resharding_zero3 = False  # only inside load_checkpoint

@@ -8,8 +8,10 @@ from __future__ import annotations
 import json
 from contextlib import nullcontext
 
+from lazyzero.feature import Feature
 
-class PlanFeature:
+
+class PlanFeature(Feature):
     def __init__(self, lazyzero_config, active_plan=None, **_):
         self.config = lazyzero_config
         self.active_plan = active_plan

@@ -115,11 +115,15 @@ def prepare_load(engine, lazy: bool, load_dir: str, tag: str | None, verified: V
     return tag
 
 
-def restore_rank_state(engine, tag_dir: str) -> None:
+def restore_rank_state(engine, tag_dir: str, verified: VerifiedFiles) -> None:
+    """lazyzero_rank<R>.pt, read as every checkpoint file is: through `verified` (the tag's folder,
+    no link followed, its hash checked) and without running code."""
     features = engine.lazyzero_features
     if not features.any("keeps_rank_state", engine):
         return
-    state, why_not = load_rank_state(tag_dir, engine.global_rank, engine.world_size)
+    allow_pickle = engine.lazyzero_config.checkpoint.allow_pickle
+    state, why_not = load_rank_state(tag_dir, engine.global_rank, engine.world_size,
+                                     load=lambda path: verified.load(path, "cpu", allow_pickle))
     if state is None:
         logger.warning(f"lazyzero: {why_not}; int8 error-feedback residuals restart from zero, RNG states are kept")
         return

@@ -1,8 +1,10 @@
 """The manifest of a committed checkpoint, and verification against it (docs/reliability.md, guarantee 2).
 
 `lazyzero_manifest.json` lists every file of the tag folder with its size and hash. Its body is
-hashed too, so a flipped bit in the manifest itself is caught rather than trusted. A checkpoint
-folder without a manifest was never committed by lazyzero (or is plain DeepSpeed's).
+hashed too, so a flipped bit in the manifest itself is caught rather than trusted, and then checked
+against its schema (manifest_schema.py), since anyone who can write the folder can recompute that
+hash. A checkpoint folder without a manifest was never committed by lazyzero (or is plain
+DeepSpeed's).
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from pydantic import ValidationError
+
 from lazyzero.checkpoint.durable_io import HASH_NAME, hash_file, new_hash, write_file_atomically
 from lazyzero.checkpoint.folder_layout import (
     MANIFEST_NAME,
@@ -23,8 +27,7 @@ from lazyzero.checkpoint.folder_layout import (
     read_latest,
     stays_inside,
 )
-
-MANIFEST_FORMAT = 1
+from lazyzero.checkpoint.manifest_schema import MANIFEST_FORMAT, ManifestBody, schema_problems
 
 
 class CheckpointDamagedError(RuntimeError):
@@ -74,16 +77,27 @@ def read_manifest(tag_dir: str | os.PathLike) -> Manifest:
                                      f"found unreadable content ({err})") from None
     if found != document.get("body_hash"):
         raise CheckpointDamagedError(f"{path}: damaged; expected body hash {document.get('body_hash')}, found {found}")
-    if body.get("format") != MANIFEST_FORMAT or body.get("hash") != HASH_NAME:
-        raise CheckpointDamagedError(f"{path}: format {body.get('format')} with hash {body.get('hash')}; "
+    if not isinstance(body, dict) or body.get("format") != MANIFEST_FORMAT or body.get("hash") != HASH_NAME:
+        found_format = body.get("format") if isinstance(body, dict) else None
+        found_hash = body.get("hash") if isinstance(body, dict) else None
+        raise CheckpointDamagedError(f"{path}: format {found_format} with hash {found_hash}; "
                                      f"this lazyzero reads format {MANIFEST_FORMAT} with {HASH_NAME}")
-    manifest = Manifest(**{k: body[k] for k in ("tag", "world_size", "global_steps", "files", "created_unix")})
-    for relpath in manifest.files:
+    try:
+        checked = ManifestBody.model_validate(body)
+    except ValidationError as err:
+        raise CheckpointDamagedError(f"{path}: refused: {schema_problems(err)} (manifest format "
+                                     f"{MANIFEST_FORMAT})") from None
+    for relpath in checked.files:
         try:
             check_relative_path(relpath)
         except UnsafeCheckpointPath as err:
             raise UnsafeCheckpointPath(f"{path}: refused: {err}") from None
-    return manifest
+    if checked.tag != Path(tag_dir).name:
+        raise CheckpointDamagedError(f"{path}: refused: it was committed as tag {checked.tag!r} but is in the "
+                                     f"folder {Path(tag_dir).name!r}; a copied or renamed tag is not the checkpoint "
+                                     "its name says (rename it back to load it)")
+    files = {relpath: entry.model_dump() for relpath, entry in checked.files.items()}
+    return Manifest(checked.tag, checked.world_size, checked.global_steps, files, checked.created_unix)
 
 
 def find_problems(tag_dir: str | os.PathLike, manifest: Manifest, check_hashes: bool = True,

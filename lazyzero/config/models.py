@@ -296,6 +296,12 @@ class CheckpointConfig(ConfigSection):
     """Load checkpoint files that hold types other than tensors, containers, numbers and DeepSpeed's few
     (lazyzero/safe_load.py). Loading such a file runs code it names: only for folders you trust."""
 
+    on_damaged_latest: Literal["stop", "fall_back"] = "stop"
+    """When the checkpoint a resume picks by itself (the tag 'latest' names) is damaged (a file or its manifest
+    differs, or is a symbolic link): "stop" refuses to load, naming what is damaged; "fall_back" loads the newest
+    older committed checkpoint that verifies, with a warning naming the damage (docs/reliability.md, guarantee 2).
+    A tag given by name is never replaced."""
+
 
 class DistributedConfig(ConfigSection):
     """How long a rank waits for the others: the job's collectives, with or without any capability on."""

@@ -111,18 +111,18 @@ _DIRECTORY = getattr(os, "O_DIRECTORY", 0)
 _WALK_BY_DESCRIPTOR = bool(_NOFOLLOW and _DIRECTORY) and os.open in os.supports_dir_fd
 
 
-def open_inside(root: str | os.PathLike, relpath: str, directory: bool = False) -> int:
-    """A read-only descriptor of root/relpath (a regular file, or a folder if `directory`), opened
-    without following a symbolic link at any part below `root`. UnsafeCheckpointPath names a link or
-    a file of another kind; a missing file is FileNotFoundError naming the whole path."""
+def open_inside(root: str | os.PathLike, relpath: str) -> int:
+    """A read-only descriptor of the regular file root/relpath, opened without following a symbolic
+    link at any part below `root`. UnsafeCheckpointPath names a link or a file of another kind; a
+    missing file is FileNotFoundError naming the whole path."""
     root = Path(root)
     parts = check_relative_path(relpath).split("/")
     if not _WALK_BY_DESCRIPTOR:
-        return _open_after_lstat(root, parts, directory)
+        return _open_after_lstat(root, parts)
     fd = os.open(root, os.O_RDONLY | _DIRECTORY | os.O_CLOEXEC)
     try:
         for depth, part in enumerate(parts):
-            is_folder = directory or depth < len(parts) - 1
+            is_folder = depth < len(parts) - 1
             flags = os.O_RDONLY | os.O_CLOEXEC | _NOFOLLOW | _NONBLOCK | (_DIRECTORY if is_folder else 0)
             try:
                 next_fd = os.open(part, flags, dir_fd=fd)
@@ -130,7 +130,7 @@ def open_inside(root: str | os.PathLike, relpath: str, directory: bool = False) 
                 raise _open_error(root, parts[:depth + 1], fd, err) from None
             os.close(fd)
             fd = next_fd
-        _check_kind(fd, root / relpath, directory)
+        _check_regular(fd, root / relpath)
     except BaseException:
         os.close(fd)
         raise
@@ -149,7 +149,7 @@ def _open_error(root: Path, parts: list[str], parent_fd: int, err: OSError) -> E
                                "and files only")
 
 
-def _open_after_lstat(root: Path, parts: list[str], directory: bool) -> int:
+def _open_after_lstat(root: Path, parts: list[str]) -> int:
     current = root
     for part in parts:
         current = current / part
@@ -158,18 +158,16 @@ def _open_after_lstat(root: Path, parts: list[str], directory: bool) -> int:
             raise SymbolicLinkRefused(problem)
     fd = os.open(current, os.O_RDONLY | _NONBLOCK | getattr(os, "O_BINARY", 0))
     try:
-        _check_kind(fd, current, directory)
+        _check_regular(fd, current)
     except BaseException:
         os.close(fd)
         raise
     return fd
 
 
-def _check_kind(fd: int, path: Path, directory: bool) -> None:
+def _check_regular(fd: int, path: Path) -> None:
     mode = os.fstat(fd).st_mode
-    if directory and not stat.S_ISDIR(mode):
-        raise NotADirectoryError(f"{path}: not a folder")
-    if not directory and not stat.S_ISREG(mode):
+    if not stat.S_ISREG(mode):
         raise UnsafeCheckpointPath(f"{path}: not a regular file ({_kind(mode)}); a checkpoint folder holds plain "
                                    "folders and files only")
 
@@ -190,10 +188,11 @@ def file_inside(root: str | os.PathLike, relpath: str) -> BinaryIO:
 def read_inside(root: str | os.PathLike, relpath: str, limit: int) -> bytes:
     """The bytes of root/relpath (by `open_inside`); UnsafeCheckpointPath if it holds more than `limit`."""
     with file_inside(root, relpath) as f:
+        size = os.fstat(f.fileno()).st_size
         data = f.read(limit + 1)
     if len(data) > limit:
-        size = max(len(data), os.path.getsize(Path(root) / relpath))
-        raise UnsafeCheckpointPath(f"{Path(root) / relpath}: {size:,} bytes or more; expected at most {limit:,}")
+        raise UnsafeCheckpointPath(f"{Path(root) / relpath}: {max(size, len(data)):,} bytes; expected at most "
+                                   f"{limit:,}")
     return data
 
 

@@ -132,7 +132,8 @@ def find_problems(tag_dir: str | os.PathLike, manifest: Manifest, check_hashes: 
         problem = _file_problem(root, relpath, entry, check_hashes, on_bytes)
         if problem:
             problems.append(problem)
-    for path in sorted(p for p in root.rglob("*") if p.is_symlink() or p.is_file()):
+    # rglob does not descend into linked folders; every other entry but a folder is a file to account for.
+    for path in sorted(p for p in root.rglob("*") if p.is_symlink() or not p.is_dir()):
         relpath = path.relative_to(root).as_posix()
         if path.is_symlink():
             if relpath not in manifest.files:

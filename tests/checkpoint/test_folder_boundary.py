@@ -176,8 +176,10 @@ def test_a_fifo_in_place_of_a_file_is_refused_without_blocking(two_tags, capsys)
     path = two_tags / "t2" / DS_FILE
     path.unlink()
     os.mkfifo(path)
+    os.mkfifo(two_tags / "t2" / "extra.pt")
     status, out, _ = _ckpt(capsys, "verify", two_tags)
     assert status == 1 and f"{path}: not a regular file (a FIFO)" in out
+    assert f"{two_tags / 't2' / 'extra.pt'}: not in the manifest (foreign file)" in out
 
 
 # --- a damaged manifest of the tag 'latest' names --------------------------------------------------
@@ -228,7 +230,7 @@ def test_a_manifest_too_large_to_be_one_is_refused_unread(two_tags, capsys, monk
     manifest = two_tags / "t2" / MANIFEST_NAME
     size = manifest.stat().st_size
     status, out, _ = _ckpt(capsys, "verify", two_tags)
-    assert status == 1 and f"{manifest}: {size:,} bytes or more; expected at most 64" in out
+    assert status == 1 and f"{manifest}: {size:,} bytes; expected at most 64" in out
 
 
 # --- a manifest whose hash matches but whose fields lie --------------------------------------------

@@ -8,6 +8,7 @@ JSON line per step to OUTPUT_DIR/metrics.jsonl; at the end every rank takes part
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -63,7 +64,8 @@ def check_args(args: argparse.Namespace) -> None:
         raise SystemExit("--save-every and --eval-problems must be >= 0")
     if (args.save_every or args.resume) and not args.save_dir:
         raise SystemExit("--save-every and --resume need --save-dir DIR")
-    if args.resume and not (Path(args.save_dir) / "latest").is_file():
+    # lexists: a 'latest' that is a symbolic link reaches the load, which refuses it by name.
+    if args.resume and not os.path.lexists(Path(args.save_dir) / "latest"):
         raise SystemExit(f"--resume: no checkpoint in {args.save_dir} (no 'latest' file); "
                          "run without --resume to start fresh")
 

@@ -24,7 +24,9 @@ from lazyzero.checkpoint.folder_layout import (
     MANIFEST_NAME,
     UnsafeCheckpointPath,
     check_tag,
+    in_tag,
     leftover_dirs,
+    open_inside,
     read_latest,
 )
 from lazyzero.checkpoint.manifest import (
@@ -36,7 +38,7 @@ from lazyzero.checkpoint.manifest import (
     read_manifest,
     resolve_tag_to_load,
 )
-from lazyzero.safe_load import UnsafeCheckpointFile, load_checkpoint_file
+from lazyzero.safe_load import UnreadableCheckpointFile, UnsafeCheckpointFile, is_zip_format, load_checkpoint_file
 
 DAMAGED = 1
 USAGE_ERROR = 2
@@ -44,6 +46,8 @@ USAGE_ERROR = 2
 RECOVERY_SCRIPTS = ("zero_to_fp32.py", "zero_to_torch.py")
 # Errors of os.link that mean "no hard link here" (another filesystem, or one without links): copy instead.
 NO_LINK_ERRNOS = (errno.EXDEV, errno.EPERM, errno.EOPNOTSUPP, errno.EMLINK)
+# DeepSpeed 0.19.8's zero_to_fp32 loads these with mmap=True (parse_optim_states).
+MEMORY_MAPPED_BY_ZERO_TO_FP32 = "optim_states.pt"
 
 
 class UsageError(Exception):
@@ -88,7 +92,10 @@ def _usage_errors_exit_2(command):
 def list_command(args: argparse.Namespace) -> int:
     root = _checkpoint_folder(args.dir)
     entries = list_checkpoints(root)
-    latest = read_latest(root)
+    try:
+        latest, refused = read_latest(root), None
+    except UnsafeCheckpointPath as err:  # still list the tags, then exit 2 naming 'latest'
+        latest, refused = None, err
     if entries:
         rows = [("TAG", "STEP", "SIZE", "FILES", "COMMITTED", "STATUS")] + [_table_row(e, latest) for e in entries]
         print(_aligned(rows))
@@ -96,7 +103,12 @@ def list_command(args: argparse.Namespace) -> int:
         print(f"{root}: no checkpoint folders")
     for leftover in leftover_dirs(root):
         print(f"{leftover.name}/: leftover, removed at next start")
-    _, why = resolve_tag_to_load(root)
+    if refused is not None:
+        raise refused
+    try:
+        _, why = resolve_tag_to_load(root)
+    except CheckpointDamagedError as err:  # 'latest' names a damaged tag: a resume stops there
+        why = str(err)
     if why:
         print(f"warning: {why}")
     return 0
@@ -104,8 +116,10 @@ def list_command(args: argparse.Namespace) -> int:
 
 def _table_row(entry: CheckpointEntry, latest: str | None) -> tuple[str, ...]:
     status = _status(entry) + ("  <- latest" if entry.tag == latest else "")
+    if entry.path.is_symlink():  # never followed, not even to count its files
+        return entry.tag, "-", "-", "-", "-", status
     if entry.manifest is None:
-        on_disk = [p.stat().st_size for p in entry.path.rglob("*") if p.is_file()]
+        on_disk = [p.stat().st_size for p in entry.path.rglob("*") if not p.is_symlink() and p.is_file()]
         return entry.tag, "-", human_bytes(sum(on_disk)), str(len(on_disk)), "-", status
     manifest = entry.manifest
     committed_at = datetime.datetime.fromtimestamp(manifest.created_unix).isoformat(timespec="seconds")
@@ -115,7 +129,10 @@ def _table_row(entry: CheckpointEntry, latest: str | None) -> tuple[str, ...]:
 
 def _status(entry: CheckpointEntry) -> str:
     if entry.manifest is None:
-        return "NOT COMMITTED: " + entry.problem.replace(str(entry.path / MANIFEST_NAME), MANIFEST_NAME)
+        problem = entry.problem.replace(str(entry.path / MANIFEST_NAME), MANIFEST_NAME)
+        if entry.damaged:
+            return "DAMAGED: " + problem.removeprefix(f"{entry.path}: ")
+        return "NOT COMMITTED: " + problem
     # Sizes and names only (a stat per file): hashing every tag would make `ls` as slow as `verify`.
     problems = find_problems(entry.path, entry.manifest, check_hashes=False)
     if problems:
@@ -176,7 +193,7 @@ def export_command(args: argparse.Namespace) -> int:
     if fp32_file is not None:
         try:
             _check_loads_without_code(root / tag)
-        except UnsafeCheckpointFile as err:
+        except (UnsafeCheckpointFile, UnreadableCheckpointFile) as err:
             print(f"not exporting {tag}: {err}", file=sys.stderr)
             return DAMAGED
     linked, copied = write_deepspeed_folder(root / tag, out)
@@ -211,7 +228,7 @@ def write_deepspeed_folder(tag_dir: Path, out: Path) -> tuple[int, int]:
             continue
         target = out / tag_dir.name / relpath
         target.parent.mkdir(parents=True, exist_ok=True)
-        if link_or_copy(tag_dir / relpath, target):
+        if link_or_copy(tag_dir, relpath, target):
             linked += 1
         else:
             copied += 1
@@ -220,16 +237,28 @@ def write_deepspeed_folder(tag_dir: Path, out: Path) -> tuple[int, int]:
     return linked, copied
 
 
-def link_or_copy(source: Path, target: Path) -> bool:
-    """Hard-link `target` to `source` (no bytes copied); copy where links are impossible. True if linked."""
-    try:
-        os.link(source, target)
-        return True
-    except OSError as err:
-        if err.errno not in NO_LINK_ERRNOS:
-            raise
-    shutil.copy2(source, target)
-    return False
+def link_or_copy(tag_dir: Path, relpath: str, target: Path) -> bool:
+    """Hard-link `target` to the file `relpath` of `tag_dir` (no bytes copied); copy where links are
+    impossible. True if linked. The file is opened without following links (folder_layout.open_inside)
+    and the link must end up on that very file: a file swapped for a link after the verification is
+    refused (UnsafeCheckpointPath), not linked or copied."""
+    source = tag_dir / relpath
+    with os.fdopen(open_inside(*in_tag(tag_dir, relpath)), "rb") as opened:
+        expected = os.fstat(opened.fileno())
+        try:
+            os.link(source, target, follow_symlinks=False)
+        except OSError as err:
+            if err.errno not in NO_LINK_ERRNOS:
+                raise
+            with open(target, "xb") as copy:
+                shutil.copyfileobj(opened, copy, 8 << 20)
+            os.utime(target, ns=(expected.st_atime_ns, expected.st_mtime_ns))
+            return False
+    found = os.lstat(target)
+    if (found.st_dev, found.st_ino) != (expected.st_dev, expected.st_ino):
+        target.unlink()
+        raise UnsafeCheckpointPath(f"{source}: replaced while it was exported; not linking what is there now")
+    return True
 
 
 def _copy_recovery_scripts(out: Path) -> None:
@@ -269,7 +298,10 @@ def _checkpoint_folder(path: str) -> Path:
 def _pick_tag(root: Path, tag: str | None) -> str:
     """The tag asked for (it must exist), else the one a resume would load."""
     if tag is None:
-        tag, why = resolve_tag_to_load(root)
+        try:
+            tag, why = resolve_tag_to_load(root)
+        except CheckpointDamagedError:
+            return read_latest(root)  # damaged: the tag to report (verify) or to refuse (export), not an older one
         if tag is None:
             raise UsageError(why)
         if why:
@@ -279,7 +311,7 @@ def _pick_tag(root: Path, tag: str | None) -> str:
         check_tag(tag)
     except ValueError as err:
         raise UsageError(str(err)) from None
-    if not (root / tag).is_dir():
+    if not (root / tag).is_symlink() and not (root / tag).is_dir():
         existing = ", ".join(entry.tag for entry in list_checkpoints(root)) or "none"
         raise UsageError(f"no tag {tag!r} in {root}; tags there: {existing}")
     return tag
@@ -299,8 +331,15 @@ def _aligned(rows: list[tuple[str, ...]]) -> str:
 
 
 def _check_loads_without_code(tag_dir: Path) -> None:
-    """zero_to_fp32 unpickles every file with weights_only=False: each is first loaded the safe way
-    (memory-mapped, so no bytes are copied), and one that would run code stops the export
-    (UnsafeCheckpointFile naming it)."""
-    for path in sorted(p for p in tag_dir.rglob("*.pt") if p.is_file()):
-        load_checkpoint_file(path, "cpu", mmap=True)
+    """zero_to_fp32 unpickles every file with weights_only=False: each torch file the (verified)
+    manifest lists is first loaded the safe way (memory-mapped, so no bytes are copied), and one that
+    would run code stops the export (UnsafeCheckpointFile naming it). zero_to_fp32 memory-maps the
+    optimizer files, which torch refuses for its legacy format: such a file stops the export too."""
+    for relpath in sorted(read_manifest(tag_dir).files):
+        path = tag_dir / relpath
+        if relpath.endswith(MEMORY_MAPPED_BY_ZERO_TO_FP32) and not is_zip_format(path):
+            raise UnreadableCheckpointFile(
+                f"{path}: in torch's legacy (non-zip) format, which DeepSpeed's zero_to_fp32 memory-maps and torch "
+                "cannot; load it and save it again with torch.save's default format to export its fp32 weights")
+        if relpath.endswith(".pt"):
+            load_checkpoint_file(path, "cpu", mmap=True)

@@ -7,12 +7,13 @@ bytes are hashed once, in memory, instead of read back.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import io
 import os
 import shutil
 from pathlib import Path
-from typing import Callable
+from typing import BinaryIO, Callable
 
 import xxhash
 
@@ -133,26 +134,37 @@ def write_file_atomically(path: str | os.PathLike, data: bytes) -> str:
 
 
 def remove_tree(path: str | os.PathLike) -> None:
-    """Delete a folder that may be half written; a missing folder is fine."""
+    """Delete a folder that may be half written; a missing folder is fine. A symbolic link is removed
+    itself, never what it points to."""
+    if os.path.islink(path):
+        with contextlib.suppress(OSError):  # as rmtree's ignore_errors
+            os.unlink(path)
+        return
     shutil.rmtree(path, ignore_errors=True)
 
 
 def hash_file(path: str | os.PathLike, chunk_bytes: int = 8 << 20,
               on_bytes: Callable[[int], None] | None = None) -> tuple[int, str]:
     """(size, hash) of a file as it is on disk now; `on_bytes(n)` after each chunk (progress bars)."""
+    with open(path, "rb", buffering=0) as f:
+        return hash_stream(f, chunk_bytes, on_bytes)
+
+
+def hash_stream(f: BinaryIO, chunk_bytes: int = 8 << 20,
+                on_bytes: Callable[[int], None] | None = None) -> tuple[int, str]:
+    """(size, hash) of what is left to read in the open file `f`; `on_bytes(n)` after each chunk."""
     digest = new_hash()
     size = 0
-    buffer = bytearray(max(1, min(chunk_bytes, os.path.getsize(path))))
+    buffer = bytearray(max(1, min(chunk_bytes, os.fstat(f.fileno()).st_size)))
     view = memoryview(buffer)
-    with open(path, "rb", buffering=0) as f:
-        while True:
-            n = f.readinto(buffer)
-            if not n:
-                break
-            digest.update(view[:n])
-            size += n
-            if on_bytes is not None:
-                on_bytes(n)
+    while True:
+        n = f.readinto(buffer)
+        if not n:
+            break
+        digest.update(view[:n])
+        size += n
+        if on_bytes is not None:
+            on_bytes(n)
     return size, digest.hexdigest()
 
 

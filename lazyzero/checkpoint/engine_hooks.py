@@ -14,9 +14,24 @@ from deepspeed import comm as dist
 from deepspeed.utils import logger
 
 from lazyzero.checkpoint import job_end
-from lazyzero.checkpoint.folder_layout import MANIFEST_NAME, check_tag, read_latest
+from lazyzero.checkpoint.folder_layout import (
+    MANIFEST_NAME,
+    SymbolicLinkRefused,
+    UnsafeCheckpointPath,
+    check_tag,
+    link_problem,
+    read_latest,
+)
 from lazyzero.checkpoint.lazy_engine import LazyCheckpointEngine
-from lazyzero.checkpoint.manifest import CheckpointDamagedError, resolve_tag_to_load, verify_checkpoint
+from lazyzero.checkpoint.manifest import (
+    CheckpointDamagedError,
+    Manifest,
+    committed_tags,
+    damaged_latest,
+    fell_back_warning,
+    resolve_tag_to_load,
+    verify_checkpoint,
+)
 from lazyzero.checkpoint.preemption import StopOnSigterm
 from lazyzero.checkpoint.rank_state import load_rank_state, rank_state_document, rank_state_path
 from lazyzero.checkpoint.verified_read import VerifiedFiles
@@ -100,14 +115,15 @@ def snapshot_nvme_optimizer_files(engine, save_dir: str, tag: str) -> None:
 
 def prepare_load(engine, lazy: bool, load_dir: str, tag: str | None, verified: VerifiedFiles) -> str | None:
     """The tag to load, after cleaning leftovers and verifying it (CheckpointDamagedError if damaged,
-    UnsafeCheckpointPath if the tag or 'latest' leads outside `load_dir`); `verified` then holds the
-    hashes its files must load with."""
+    UnsafeCheckpointPath if the tag or 'latest' leads outside `load_dir` or is a symbolic link);
+    `verified` then holds its folder and the hashes its files must load with."""
+    settings = engine.lazyzero_config.checkpoint
+    from_latest = tag is None
     if lazy:
         engine.checkpoint_engine.clean_leftovers(load_dir, barrier=dist.barrier)
         if tag is None:
-            tag, why = resolve_tag_to_load(load_dir)
-            if why and engine.global_rank == 0:
-                print(f"lazyzero: {why}", flush=True)
+            tag, why = resolve_tag_to_load(load_dir, settings.on_damaged_latest)
+            _warn(engine, why)
             if tag is None:
                 return None
     if tag is None:
@@ -116,22 +132,59 @@ def prepare_load(engine, lazy: bool, load_dir: str, tag: str | None, verified: V
             return None  # no 'latest': nothing to load, as with DeepSpeed
     tag = check_tag(str(tag))
     tag_dir = Path(load_dir) / tag
-    settings = engine.lazyzero_config.checkpoint
-    has_manifest = (tag_dir / MANIFEST_NAME).exists()
-    if lazy and tag_dir.is_dir() and not has_manifest and not settings.allow_unverified:
+    link = link_problem(tag_dir)  # never followed; from 'latest' it is a damaged latest (below)
+    if link and not from_latest:
+        raise SymbolicLinkRefused(link)
+    has_manifest = not link and os.path.lexists(tag_dir / MANIFEST_NAME)
+    if lazy and not link and tag_dir.is_dir() and not has_manifest and not settings.allow_unverified:
         raise CheckpointDamagedError(
             f"{tag_dir}: no {MANIFEST_NAME}, so nothing can verify its files (a plain DeepSpeed checkpoint, or one "
             "lazyzero never committed). To load it anyway, set lazyzero.checkpoint.allow_unverified: true")
-    if has_manifest and settings.verify_on_load:
-        verified.expect(tag_dir, verify_checkpoint(tag_dir))
+    manifest = None
+    if link or (has_manifest and settings.verify_on_load):
+        tag, manifest = _verify_or_fall_back(engine, load_dir, tag, from_latest)
+    verified.expect(Path(load_dir) / tag, manifest)
     return tag
 
 
-def restore_rank_state(engine, tag_dir: str) -> None:
+def _verify_or_fall_back(engine, load_dir: str, tag: str, from_latest: bool) -> tuple[str, Manifest]:
+    """`tag` and its manifest once its files match. A damaged tag is an error, unless it is the one a
+    resume picked by itself and `on_damaged_latest` is fall_back: then the newest older committed
+    tag that verifies loads, with a warning naming what is damaged."""
+    try:
+        return tag, verify_checkpoint(Path(load_dir) / tag)
+    except (CheckpointDamagedError, UnsafeCheckpointPath) as err:
+        if not from_latest:
+            raise
+        problems = [str(err)]
+    others = [other for other in committed_tags(load_dir) if other != tag]
+    damaged_latest(load_dir, tag, problems[0], others, engine.lazyzero_config.checkpoint.on_damaged_latest)
+    for older in reversed(others):
+        try:
+            manifest = verify_checkpoint(Path(load_dir) / older)
+        except (CheckpointDamagedError, UnsafeCheckpointPath) as err:
+            problems.append(str(err))
+            continue
+        _warn(engine, fell_back_warning(load_dir, tag, "\n".join(problems), older))
+        return older, manifest
+    raise CheckpointDamagedError(f"{load_dir}: the newest checkpoint, {tag!r}, is damaged, and so is every older "
+                                 "committed one:\n" + "\n".join(problems))
+
+
+def _warn(engine, why: str) -> None:
+    if why and engine.global_rank == 0:
+        print(f"lazyzero: {why}", flush=True)
+
+
+def restore_rank_state(engine, tag_dir: str, verified: VerifiedFiles) -> None:
+    """lazyzero_rank<R>.pt, read as every checkpoint file is: through `verified` (the tag's folder,
+    no link followed, its hash checked) and without running code."""
     features = engine.lazyzero_features
     if not features.any(Feature.keeps_rank_state, engine):
         return
-    state, why_not = load_rank_state(tag_dir, engine.global_rank, engine.world_size)
+    allow_pickle = engine.lazyzero_config.checkpoint.allow_pickle
+    state, why_not = load_rank_state(tag_dir, engine.global_rank, engine.world_size,
+                                     load=lambda path: verified.load(path, "cpu", allow_pickle))
     if state is None:
         logger.warning(f"lazyzero: {why_not}; int8 error-feedback residuals restart from zero, RNG states are kept")
         return

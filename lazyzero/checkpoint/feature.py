@@ -97,15 +97,20 @@ class CheckpointFeature(Feature):
         return engine_hooks.prepare_load(engine, self.lazy, load_dir, tag, self.verified)
 
     def end_load(self, engine, request) -> None:
-        self.verified.clear()
+        # After a load that read nothing or failed; otherwise after_load still reads the tag's files.
+        if request.load_path is None:
+            self.verified.clear()
 
     def after_load(self, engine, request) -> None:
-        if request.load_path is None or not request.load_optimizer_states or request.load_module_only:
-            return
-        if engine.zero_nvme_offload_optimizer() and not request.resharded:
-            restore_nvme_offloaded_state(engine, request.load_dir, request.tag)
-        replay_cpu_adam_after_load(engine)
-        engine_hooks.restore_rank_state(engine, os.path.join(request.load_dir, request.tag))
+        try:
+            if request.load_path is None or not request.load_optimizer_states or request.load_module_only:
+                return
+            if engine.zero_nvme_offload_optimizer() and not request.resharded:
+                restore_nvme_offloaded_state(engine, request.load_dir, request.tag)
+            replay_cpu_adam_after_load(engine)
+            engine_hooks.restore_rank_state(engine, os.path.join(request.load_dir, request.tag), self.verified)
+        finally:
+            self.verified.clear()
 
     # --- per-rank state and the end --------------------------------------------------------------
 

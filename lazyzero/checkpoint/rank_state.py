@@ -12,7 +12,7 @@ import os
 from pathlib import Path
 from typing import Callable
 
-import torch
+from lazyzero.safe_load import load_checkpoint_file
 
 FILE_FORMAT = 1
 
@@ -27,15 +27,19 @@ def rank_state_document(rank: int, world_size: int, features: dict) -> dict:
 
 
 def load_rank_state(tag_dir: str | os.PathLike, rank: int, world_size: int,
-                    load: Callable = lambda path: torch.load(path, map_location="cpu", weights_only=True)
-                    ) -> tuple[dict | None, str]:
-    """The features saved by `rank` of a run of `world_size` ranks, or None and why not."""
+                    load: Callable = lambda path: load_checkpoint_file(path, "cpu")) -> tuple[dict | None, str]:
+    """The features saved by `rank` of a run of `world_size` ranks, or None and why not. `load` reads
+    the file without running code (lazyzero/safe_load.py; the engine passes its verified reader)."""
     path = rank_state_path(tag_dir, rank)
-    if not path.is_file():
+    if not os.path.lexists(path):
         return None, f"{path} does not exist"
     saved = load(str(path))
-    if saved.get("format") != FILE_FORMAT:
-        raise ValueError(f"{path}: format {saved.get('format')!r}; this lazyzero reads {FILE_FORMAT}")
+    if not isinstance(saved, dict) or saved.get("format") != FILE_FORMAT:
+        found = saved.get("format") if isinstance(saved, dict) else type(saved).__name__
+        raise ValueError(f"{path}: format {found!r}; this lazyzero reads {FILE_FORMAT}")
+    if not isinstance(saved.get("world_size"), int) or not isinstance(saved.get("features"), dict):
+        raise ValueError(f"{path}: expected an integer 'world_size' and a dict 'features' (lazyzero rank state, "
+                         f"format {FILE_FORMAT})")
     if saved["world_size"] != world_size:
         return None, f"{path} was saved by a run of {saved['world_size']} ranks, this run has {world_size}"
     return saved["features"], ""

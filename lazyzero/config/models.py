@@ -306,6 +306,12 @@ class CheckpointConfig(ConfigSection):
     the checkpoints in flight and exits with status 143; true also saves one more checkpoint at that step first (the
     Trainer's next checkpoint-N folder, or DeepSpeed's default tag in the folder of the engine's last save)."""
 
+    on_damaged_latest: Literal["stop", "fall_back"] = "stop"
+    """When the checkpoint a resume picks by itself (the tag 'latest' names) is damaged (a file or its manifest
+    differs, or is a symbolic link): "stop" refuses to load, naming what is damaged; "fall_back" loads the newest
+    older committed checkpoint that verifies, with a warning naming the damage (docs/reliability.md, guarantee 2).
+    A tag given by name is never replaced."""
+
 
 class DistributedConfig(ConfigSection):
     """How long a rank waits for the others: the job's collectives, with or without any capability on."""

@@ -121,7 +121,7 @@ def test_export_writes_deepspeed_files_latest_and_recovery_scripts(handmade, tmp
 
 
 def test_export_copies_where_hard_links_are_impossible(handmade, tmp_path, capsys, monkeypatch):
-    def cross_device(source, target):
+    def cross_device(source, target, **_):
         raise OSError(errno.EXDEV, "Invalid cross-device link")
 
     monkeypatch.setattr("lazyzero.checkpoint.commands.os.link", cross_device)

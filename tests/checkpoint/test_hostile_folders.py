@@ -92,7 +92,7 @@ def test_a_symbolic_link_inside_the_folder_is_a_problem_even_when_its_target_mat
                         f"{tag_dir / 'optim/secret.bin'}: a symbolic link on the way; expected a plain file inside "
                         f"{tag_dir}",
                         f"{tag_dir / 'optim'}: a symbolic link (to {outside.parent}); "
-                        "a checkpoint holds plain files only"]
+                        "a checkpoint folder holds plain folders and files only"]
     export = save_dir.parent / "export"
     status, _, _ = _ckpt(capsys, "export", save_dir, "t1", "--out", export)
     assert status == 1 and not export.exists()
@@ -103,7 +103,7 @@ def test_a_foreign_symbolic_link_is_reported_with_its_target(save_dir, outside, 
     (save_dir / "t1" / "extra.pt").symlink_to(outside)
     problems = find_problems(save_dir / "t1", read_manifest(save_dir / "t1"))
     assert problems == [f"{save_dir / 't1' / 'extra.pt'}: a symbolic link (to {outside}); "
-                        "a checkpoint holds plain files only"]
+                        "a checkpoint folder holds plain folders and files only"]
 
 
 @pytest.mark.parametrize("latest", ["../outside", "/tmp", "a/b", ".hidden", "latest"])

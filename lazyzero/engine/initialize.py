@@ -55,6 +55,7 @@ def initialize(
     from lazyzero.distributed.job_failure import apply_to_every_group, collective_timeout, end_job_on_uncaught_error
     from lazyzero.distributed.mpi_extra import check_mpi_discovery_possible
     from lazyzero.distributed.shm_segments import release_own_segment_name
+    from lazyzero.engine.accelerate_ranks import check_accelerate_counts_every_rank
     from lazyzero.engine.engine import LazyZeroEngine
     from lazyzero.engine.features import FeatureSet
 
@@ -69,6 +70,7 @@ def initialize(
                           dist_init_required=dist_init_required, timeout=collective_timeout(lazyzero_config))
     release_own_segment_name(dist)
     end_job_on_uncaught_error(collective_timeout(lazyzero_config))
+    check_accelerate_counts_every_rank()
     log_dist(f"DeepSpeed info: version={deepspeed.__version__}, git-hash={deepspeed.__git_hash__}, "
              f"git-branch={deepspeed.__git_branch__}", ranks=[0])
     mesh_device = _mesh_device(dist, ds_config, mesh_param)

@@ -38,10 +38,14 @@ def test_patch_routes_deepspeed_initialize_once_and_unpatch_restores_the_origina
     lazyzero.patch_deepspeed()
     assert deepspeed.initialize is routed is not original
     assert routed_to(deepspeed, "initialize") is initialize_from_any_caller
-    # With transformers installed, the Trainer's two folder rules are routed too (checkpoint/trainer_folders.py).
+    # With the trainers installed, their folder rules are routed too (checkpoint/trainer_folders.py), and
+    # Accelerate's count of CPU ranks (engine/accelerate_ranks.py).
     assert [(p.target, p.owner) for p in applied_patches()[before:]] == [
-        ("deepspeed:initialize", OWNER), ("transformers.trainer:get_last_checkpoint", OWNER),
-        ("transformers.trainer:rotate_checkpoints", OWNER)]
+        ("deepspeed:initialize", OWNER), ("transformers.trainer_utils:get_last_checkpoint", OWNER),
+        ("transformers.trainer:rotate_checkpoints", OWNER),
+        ("lightning.pytorch.callbacks.model_checkpoint:ModelCheckpoint._find_last_checkpoints", OWNER),
+        ("accelerate.accelerator:Accelerator.load_state", OWNER),
+        ("accelerate.state:PartialState._prepare_backend", OWNER)]
     # Callers see DeepSpeed's name, docstring and parameters; the internals check reads the original's.
     assert routed.__doc__ == original.__doc__ and inspect.signature(routed) == inspect.signature(original)
     assert original_parameters(routed) == original_parameters(original)

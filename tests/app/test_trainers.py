@@ -43,6 +43,14 @@ def run_worker(worker: str, out: Path, config: Path, *extra: str, env: dict | No
     return json.loads((out / "result.json").read_text())
 
 
+def rank_outputs(worker: str, out: Path, config: Path, *extra: str) -> tuple[int, str, list[str]]:
+    """A failing run's return code, the launcher's output and each rank's (the launcher's --enable_each_rank_log)."""
+    logs = out / "rank_logs"
+    proc = run_distributed("deepspeed", 2, [str(HERE / worker), str(out), str(config), *extra], timeout=300,
+                           launcher_args=("--enable_each_rank_log", str(logs)))
+    return proc.returncode, proc.stdout, [next(logs.glob(f"*_rank{rank}.log")).read_text() for rank in (0, 1)]
+
+
 @pytest.fixture(scope="module")
 def hf_trainer_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("hf_trainer")
@@ -140,6 +148,24 @@ def test_accelerate_load_state_resumes_every_rank_from_the_newest_committed_fold
         assert list(after["draws"]) == ["2", "4"] and after["draws"]["2"] == before["draws"]["2"]
         assert after["losses"] == {step: loss for step, loss in before["losses"].items() if int(step) > 2}
     assert resumed["ranks"][0]["draws"]["2"] != resumed["ranks"][1]["draws"]["2"]
+
+
+@pytest.mark.multiproc
+def test_an_accelerator_built_before_the_patch_is_refused_in_one_line_saying_how_to_launch(tmp_path):
+    """Built before `lazyzero.patch_deepspeed()`, Accelerate counts one process on CPU ranks; lazyzero refuses
+    to build its engine under it (engine/accelerate_ranks.py), and the refusal reads once from the launcher's
+    view, as rank 0's last line (distributed/refusal_line.py)."""
+    code, launcher, (rank0, rank1) = rank_outputs("accelerate_worker.py", tmp_path, config_copy(tmp_path),
+                                                  "patch-late")
+    assert code != 0 and not (tmp_path / "result.json").exists()
+    refusal = rank0.strip().splitlines()[-1]
+    assert refusal.startswith("lazyzero: LaunchRefused: Accelerate counts 1 process(es) but the job has 2 ranks, "
+                              "so every rank would train on the same batches"), rank0[-3000:]
+    assert refusal.endswith("Call lazyzero.patch_deepspeed() before the script builds its Accelerator (or any "
+                            "PartialState), and launch with: deepspeed --num_gpus N script.py")
+    assert rank1.strip().splitlines()[-1] == ("lazyzero: rank 1 stopped on the same refusal as rank 0 "
+                                              "(LaunchRefused); rank 0 prints it"), rank1[-3000:]
+    assert (launcher + rank0 + rank1).count("Accelerate counts 1 process(es)") == 1
 
 
 @pytest.mark.multiproc

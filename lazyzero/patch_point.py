@@ -22,13 +22,21 @@ Kinds:
 - EXTEND: an item appended to a module-level list of DeepSpeed's, once.
 - ROUTE: a public module function of DeepSpeed's routed to lazyzero's until undone; the new function
   takes exactly the original's parameters, since every caller (user code, Accelerate, the Hugging
-  Face Trainer) calls it as DeepSpeed's, and it keeps the original reachable (`__wrapped__`).
+  Face Trainer) calls it as DeepSpeed's, and it keeps the original reachable (`__wrapped__`). A
+  method of a trainer library's class is routed the same way, on the class (Lightning's and
+  Accelerate's folder rules, Accelerate's count of CPU ranks).
+- REDIRECT: a public function that scripts bind by name when they are imported (transformers' example
+  scripts run `from transformers.trainer_utils import get_last_checkpoint` before any line of theirs
+  could call `lazyzero.patch_deepspeed()`), so routing the module attribute would miss them: the
+  function object itself calls lazyzero's until undone (its code is swapped for a call of it), so
+  every name bound to it does; the original runs from a copy (`original_function`).
 """
 
 from __future__ import annotations
 
 import functools
 import inspect
+import types
 import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -36,7 +44,7 @@ from dataclasses import dataclass
 
 import deepspeed
 
-REPLACE, WRAP, SWAP, EXTEND, ROUTE = "replace", "wrap", "swap", "extend", "route"
+REPLACE, WRAP, SWAP, EXTEND, ROUTE, REDIRECT = "replace", "wrap", "swap", "extend", "route", "redirect"
 
 _STAGE3 = "deepspeed.runtime.zero.stage3:DeepSpeedZeroOptimizer_Stage3"
 _STAGE12 = "deepspeed.runtime.zero.stage_1_and_2:DeepSpeedZeroOptimizer"
@@ -151,10 +159,19 @@ PATCH_POINTS: tuple[PatchPoint, ...] = (
                ("args", "model", "optimizer", "model_parameters", "training_data", "lr_scheduler", "distributed_port",
                 "mpu", "dist_init_required", "collate_fn", "config", "mesh_param", "config_params"),
                "a config with a \"lazyzero\" section builds a LazyZeroEngine; any other goes to DeepSpeed's own"),
-    # With it, the Hugging Face Trainer's two checkpoint-folder rules, where transformers is installed
-    # (checkpoint/trainer_folders.py): an uncommitted lazy checkpoint is neither rotated for nor resumed from.
-    PatchPoint("transformers.trainer:get_last_checkpoint", ROUTE, ("folder",),
-               "the Trainer resumes from the newest folder whose lazy checkpoint is committed"),
+    # With it, the trainers' rules for picking and rotating checkpoint folders, where each trainer is
+    # installed (checkpoint/trainer_folders.py): an uncommitted lazy checkpoint is never resumed from, and
+    # the Trainer never rotates for one; and Accelerate's count of CPU ranks (engine/accelerate_ranks.py).
+    PatchPoint("transformers.trainer_utils:get_last_checkpoint", REDIRECT, ("folder",),
+               "the Trainer and the scripts that ask transformers for the last checkpoint get the newest "
+               "folder whose lazy checkpoint is committed"),
+    PatchPoint("lightning.pytorch.callbacks.model_checkpoint:ModelCheckpoint._find_last_checkpoints", ROUTE,
+               ("trainer",), "ckpt_path=\"last\" never names a folder whose lazy checkpoint is uncommitted"),
+    PatchPoint("accelerate.accelerator:Accelerator.load_state", ROUTE,
+               ("input_dir", "load_kwargs", "load_model_func_kwargs"),
+               "load_state() with automatic checkpoint naming loads the newest committed folder"),
+    PatchPoint("accelerate.state:PartialState._prepare_backend", ROUTE, ("cpu", "sagemaker_dp", "backend"),
+               "Accelerate counts every CPU rank of a DeepSpeed launch, so each trains on its own shard"),
     PatchPoint("transformers.trainer:rotate_checkpoints", ROUTE,
                ("output_dir", "save_total_limit", "best_model_checkpoint", "use_mtime", "checkpoint_prefix"),
                "rotation never deletes the newest committed folder while a newer one is uncommitted"),
@@ -284,7 +301,7 @@ def route_function(module, name: str, new: Callable, *, owner: str) -> None:
     if original_parameters(current) != expected:
         raise PatchRefused(f"{point.target} takes {original_parameters(current)} in DeepSpeed {deepspeed.__version__}; "
                            f"lazyzero expects {expected}: install a DeepSpeed version lazyzero supports")
-    _check_parameters(point, new)
+    _check_parameters(point, new, method=inspect.isclass(module))
 
     # functools.wraps keeps DeepSpeed's name, docstring and signature on what callers see, and the
     # original reachable through __wrapped__ (the internals check reads its parameters there).
@@ -313,6 +330,71 @@ def routed_to(module, name: str) -> Callable | None:
     """The function `module.name` is routed to, or None."""
     route = getattr(getattr(module, name), "__lazyzero_route__", None)
     return route[1] if route is not None else None
+
+
+# (target) -> (owner, lazyzero's function, the original's code), while a function is redirected.
+_redirects: dict[str, tuple[str, Callable, types.CodeType]] = {}
+
+
+def redirect_function(module, name: str, new: Callable, *, owner: str) -> None:
+    """Make the function `module.name` itself call `new`, which takes its parameters, until
+    `unredirect_function`: every name bound to that function object, before or after, calls `new`.
+    Redirecting again to the same `new` does nothing; to another, or by another owner, is refused."""
+    point = _declared(_target_of(module, name), REDIRECT, f"{owner} redirects {name}")
+    function = getattr(module, name)
+    if point.target in _redirects:
+        if _redirects[point.target][:2] == (owner, new):
+            return
+        raise PatchRefused(f"{owner} redirects {point.target}, already redirected by {_redirects[point.target][0]}")
+    expected = point.parameters_in(deepspeed.__version__)
+    parameters = inspect.signature(function).parameters.values()
+    if original_parameters(function) != expected or any(p.kind != p.POSITIONAL_OR_KEYWORD for p in parameters):
+        raise PatchRefused(f"{point.target} takes {tuple(map(str, parameters))}; lazyzero expects {expected}")
+    _check_parameters(point, new)
+    _redirects[point.target] = (owner, new, function.__code__)
+    function.__code__ = _call_of(point.target, function.__name__, expected)
+    _record(point, module, owner)
+
+
+def unredirect_function(module, name: str, *, owner: str) -> bool:
+    """Give the function `module.name` back its own code if `owner` redirected it; whether anything was undone."""
+    target = _target_of(module, name)
+    if target not in _redirects:
+        return False
+    if _redirects[target][0] != owner:
+        raise PatchRefused(f"{owner} undoes the redirect of {name}, which {_redirects[target][0]} made")
+    getattr(module, name).__code__ = _redirects.pop(target)[2]
+    return True
+
+
+def original_function(module, name: str) -> Callable:
+    """The function `module.name` as its library wrote it: itself, or a copy with its own code while redirected."""
+    function = getattr(module, name)
+    redirect = _redirects.get(_target_of(module, name))
+    if redirect is None:
+        return function
+    original = types.FunctionType(redirect[2], function.__globals__, function.__name__, function.__defaults__,
+                                  function.__closure__)
+    original.__kwdefaults__ = function.__kwdefaults__
+    return original
+
+
+def redirected_call(target: str) -> Callable:
+    """The function a redirected `target` calls (what its swapped code looks up at each call)."""
+    return _redirects[target][1]
+
+
+def _call_of(target: str, name: str, parameters: tuple[str, ...]) -> types.CodeType:
+    """Code of a function `name(parameters)` that calls `redirected_call(target)` with its arguments. It
+    runs with the library's module globals, so it reaches lazyzero through the import system only."""
+    if not all(parameter.isidentifier() for parameter in parameters):
+        raise PatchRefused(f"{target}: cannot redirect a function with parameters {parameters}")
+    listed = ", ".join(parameters)
+    source = (f"def {name}({listed}):\n"
+              f"    return __import__('lazyzero.patch_point', fromlist=['_']).redirected_call({target!r})({listed})\n")
+    namespace: dict = {}
+    exec(compile(source, f"<lazyzero redirect of {target}>", "exec"), namespace)  # identifiers and a repr only
+    return namespace[name].__code__
 
 
 # ------------------------------------------------------------------------------- the checks
@@ -398,8 +480,10 @@ def _point_on_object(obj, name: str, kind: str) -> PatchPoint:
                        "lazyzero/patch_point.py PATCH_POINTS")
 
 
-def _check_parameters(point: PatchPoint, new: Callable) -> None:
+def _check_parameters(point: PatchPoint, new: Callable, method: bool = False) -> None:
     names, expected = tuple(inspect.signature(new).parameters), point.parameters_in(deepspeed.__version__)
+    if method:  # a method routed on its class takes self first
+        names = names[1:]
     if names != expected:
         raise PatchRefused(f"the replacement of {point.target} takes {names}; DeepSpeed's takes {expected}")
 

@@ -1,7 +1,7 @@
-"""Lazy checkpoints under the Hugging Face Trainer's folder rules (docs/checkpoint.md, "Under the Trainer").
+"""Lazy checkpoints under the trainers' folder rules (docs/checkpoint.md, "Under the trainers").
 
-The Trainer saves each checkpoint into its own `checkpoint-N/` folder (DeepSpeed's tag folder and
-`latest` inside it, beside the Trainer's own files), deletes old folders beyond `save_total_limit`
+The Hugging Face Trainer saves each checkpoint into its own `checkpoint-N/` folder (DeepSpeed's tag
+folder and `latest` inside it, beside the Trainer's own files), deletes old folders beyond `save_total_limit`
 right after the save returns, and resumes from the folder with the highest N. With lazy checkpoints
 the save returns while the files are still being written, so two of its rules would lose work:
 - rotation would delete the newest committed folder while the new one is still uncommitted, leaving
@@ -9,28 +9,33 @@ the save returns while the files are still being written, so two of its rules wo
 - after a run killed during a background write, the highest N holds the Trainer's files but no
   committed DeepSpeed tag, and resuming from it fails.
 
-`lazyzero.patch_deepspeed()` routes the two functions the Trainer calls for these rules
-(`transformers.trainer.rotate_checkpoints` and `get_last_checkpoint`, through the patch point) to the
-versions below: a folder whose lazy checkpoint is uncommitted does not count toward
-`save_total_limit` while it is newer than every committed one, and is never chosen to resume from.
+`lazyzero.patch_deepspeed()` routes, through the patch point, where each library is installed:
+- `transformers.trainer_utils.get_last_checkpoint`, on the function itself, so that the Trainer's
+  `resume_from_checkpoint=True` and the scripts that bound the name at import (transformers' example
+  scripts) get the newest folder whose lazy checkpoint is committed;
+- the Trainer's `rotate_checkpoints`: a folder whose lazy checkpoint is uncommitted does not count toward
+  `save_total_limit` while it is newer than every committed one;
+- Lightning's `ckpt_path="last"` and Accelerate's `load_state()` of the newest folder
+  (`lightning_folders.py`, `accelerate_folders.py`).
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 from pathlib import Path
 
 from lazyzero.checkpoint.folder_layout import TEMP_PREFIX
-from lazyzero.checkpoint.manifest import committed_tags
+from lazyzero.checkpoint.manifest import committed_tags, list_checkpoints
 
 OWNER = "lazyzero.patch_deepspeed"
-TRAINER_MODULE = "transformers.trainer"
 CHECKPOINT_NAME = re.compile(r"checkpoint-(\d+)")  # the Trainer's folder names (PREFIX_CHECKPOINT_DIR)
+_log = logging.getLogger(__name__)
 
 
 def holds_uncommitted_checkpoint(folder: str | os.PathLike) -> bool:
-    """A Trainer checkpoint folder whose lazy checkpoint is still being written, or was cut short:
+    """A trainer's checkpoint folder whose lazy checkpoint is still being written, or was cut short:
     a temporary tag folder and no committed tag."""
     root = Path(folder)
     if not root.is_dir():
@@ -39,33 +44,57 @@ def holds_uncommitted_checkpoint(folder: str | os.PathLike) -> bool:
     return writing and not committed_tags(root)
 
 
-def _original(name: str):
-    import sys
+def newest_committed_folder(parent: str | os.PathLike) -> Path | None:
+    """The folder directly under `parent` (not a link) whose newest committed lazy checkpoint is the
+    newest of all, by the commit time its manifest records; None without any."""
+    newest, when = None, None
+    for folder in sorted(Path(parent).iterdir()):
+        if folder.is_symlink() or not folder.is_dir():
+            continue
+        committed = [entry for entry in list_checkpoints(folder) if entry.manifest is not None]
+        if committed and (when is None or committed[-1].manifest.created_unix > when):
+            newest, when = folder, committed[-1].manifest.created_unix
+    return newest
 
-    return getattr(sys.modules[TRAINER_MODULE], name).__wrapped__
+
+def warn_skipped(skipped: list[str], instead: str | os.PathLike | None) -> None:
+    """One warning, from the first rank only, that `skipped` folders were passed over for `instead`."""
+    if os.environ.get("RANK", "0") != "0":
+        return
+    chosen = f"the newest committed one is {instead}" if instead else "no folder holds a committed one"
+    _log.warning(f"lazyzero: {', '.join(map(str, skipped))}: lazy checkpoint never committed (the run ended "
+                 f"while it was written), so it is not resumed from; {chosen}")
 
 
 def get_last_committed_checkpoint(folder):
     """`get_last_checkpoint(folder)`, skipping folders whose lazy checkpoint is uncommitted."""
-    steps, skipped = {}, False
+    from transformers import trainer_utils
+
+    from lazyzero.patch_point import original_function
+
+    steps, skipped = {}, []
     for name in os.listdir(folder):
         match = CHECKPOINT_NAME.fullmatch(name)
         if not match or not (Path(folder) / name).is_dir():
             continue
         if holds_uncommitted_checkpoint(Path(folder) / name):
-            skipped = True
+            skipped.append(os.path.join(folder, name))
         else:
             steps[name] = int(match.group(1))
     if not skipped:
-        return _original("get_last_checkpoint")(folder)
-    return os.path.join(folder, max(steps, key=steps.get)) if steps else None
+        return original_function(trainer_utils, "get_last_checkpoint")(folder)
+    last = os.path.join(folder, max(steps, key=steps.get)) if steps else None
+    warn_skipped(sorted(skipped), last)
+    return last
 
 
 def rotate_keeping_committed(output_dir, save_total_limit=None, best_model_checkpoint=None, use_mtime=False,
                              checkpoint_prefix="checkpoint"):
     """`rotate_checkpoints` with the folders newer than every committed one left out of the count while
     their lazy checkpoints are uncommitted, so that the newest committed folder is never deleted for them."""
-    original = _original("rotate_checkpoints")
+    import sys
+
+    original = sys.modules["transformers.trainer"].rotate_checkpoints.__wrapped__
     if save_total_limit is None or save_total_limit <= 0:
         return original(output_dir, save_total_limit, best_model_checkpoint, use_mtime, checkpoint_prefix)
     from transformers.trainer_utils import sort_checkpoints
@@ -78,41 +107,72 @@ def rotate_keeping_committed(output_dir, save_total_limit=None, best_model_check
     return original(output_dir, save_total_limit + pending, best_model_checkpoint, use_mtime, checkpoint_prefix)
 
 
-def route_trainer_folder_rules() -> bool:
-    """Route the Trainer's two folder rules to the versions above (when transformers is installed and
-    has them as lazyzero knows them); whether they are routed."""
-    import importlib
+def route_trainer_folder_rules() -> list[str]:
+    """Route the folder rules of each installed trainer library to the versions above; the libraries
+    whose rules are routed. A library whose functions are not as lazyzero knows them is left as it is,
+    with a warning."""
     import importlib.util
 
-    from lazyzero.patch_point import PatchRefused, route_function
+    routed = []
+    for library, route, hint in ((("transformers", _route_hf_trainer, "keep save_total_limit at 2 or more"),
+                                  ("lightning", _route_lightning, "pass ckpt_path a committed folder"),
+                                  ("accelerate", _route_accelerate, "pass load_state a committed folder"))):
+        if importlib.util.find_spec(library) is None:
+            continue
+        try:
+            route()
+        except Exception as err:  # noqa: BLE001 - PatchRefused, or a library without the function
+            _log.warning(f"lazyzero: {library}'s checkpoint-folder rules are not routed ({err}); with lazy "
+                         f"checkpoints, {hint}")
+            continue
+        routed.append(library)
+    return routed
 
-    if importlib.util.find_spec("transformers") is None:
-        return False
-    trainer = importlib.import_module(TRAINER_MODULE)
-    try:
-        route_function(trainer, "get_last_checkpoint", get_last_committed_checkpoint, owner=OWNER)
-        route_function(trainer, "rotate_checkpoints", rotate_keeping_committed, owner=OWNER)
-        from lazyzero.checkpoint.trainer_end import add_to_default_callbacks
 
-        add_to_default_callbacks()
-    except (PatchRefused, AttributeError) as err:
-        import logging
+def _route_hf_trainer() -> None:
+    from transformers import trainer, trainer_utils
 
-        logging.getLogger(__name__).warning(f"lazyzero: the Hugging Face Trainer's checkpoint rules are not routed "
-                                            f"({err}); keep save_total_limit at 2 or more with lazy checkpoints")
-        return False
-    return True
+    from lazyzero.patch_point import redirect_function, route_function
+
+    redirect_function(trainer_utils, "get_last_checkpoint", get_last_committed_checkpoint, owner=OWNER)
+    route_function(trainer, "rotate_checkpoints", rotate_keeping_committed, owner=OWNER)
+    from lazyzero.checkpoint.trainer_end import add_to_default_callbacks
+
+    add_to_default_callbacks()
+
+
+def _route_lightning() -> None:
+    from lightning.pytorch.callbacks.model_checkpoint import ModelCheckpoint
+
+    from lazyzero.checkpoint.lightning_folders import find_last_committed_checkpoints
+    from lazyzero.patch_point import route_function
+
+    route_function(ModelCheckpoint, "_find_last_checkpoints", find_last_committed_checkpoints, owner=OWNER)
+
+
+def _route_accelerate() -> None:
+    from accelerate import Accelerator
+
+    from lazyzero.checkpoint.accelerate_folders import load_newest_committed_state
+    from lazyzero.patch_point import route_function
+
+    route_function(Accelerator, "load_state", load_newest_committed_state, owner=OWNER)
 
 
 def unroute_trainer_folder_rules() -> None:
     import sys
 
-    from lazyzero.patch_point import unroute_function
+    from lazyzero.patch_point import unredirect_function, unroute_function
 
-    trainer = sys.modules.get(TRAINER_MODULE)
-    if trainer is not None:
-        for name in ("get_last_checkpoint", "rotate_checkpoints"):
-            unroute_function(trainer, name, owner=OWNER)
+    if "transformers.trainer_utils" in sys.modules:
+        unredirect_function(sys.modules["transformers.trainer_utils"], "get_last_checkpoint", owner=OWNER)
+    if "transformers.trainer" in sys.modules:
+        unroute_function(sys.modules["transformers.trainer"], "rotate_checkpoints", owner=OWNER)
         from lazyzero.checkpoint.trainer_end import remove_from_default_callbacks
 
         remove_from_default_callbacks()
+    if "lightning.pytorch.callbacks.model_checkpoint" in sys.modules:
+        model_checkpoint = sys.modules["lightning.pytorch.callbacks.model_checkpoint"]
+        unroute_function(model_checkpoint.ModelCheckpoint, "_find_last_checkpoints", owner=OWNER)
+    if "accelerate.accelerator" in sys.modules:
+        unroute_function(sys.modules["accelerate.accelerator"].Accelerator, "load_state", owner=OWNER)

@@ -20,6 +20,8 @@ from __future__ import annotations
 import sys
 from datetime import timedelta
 
+from lazyzero.distributed.refusal_line import is_refusal, print_refusal, prints_tracebacks_only
+
 # Called, in order, before an uncaught error aborts the MPI job, when no peer was lost (the lazy
 # checkpoints' end of job registers here: checkpoint/job_end.py). Each reports its own failures.
 BEFORE_MPI_ABORT: list = []
@@ -52,14 +54,20 @@ def apply_to_every_group(timeout: timedelta) -> int:
 def end_job_on_uncaught_error(timeout: timedelta) -> None:
     """From now on, an exception that ends this process's main thread is printed as usual, with a
     line naming the timeout when a peer was lost, and then aborts the MPI job when MPI is in use.
-    Installed once per process; the previous `sys.excepthook` still runs first."""
+    A refusal (`refusal_line.py`) is printed as its one line instead of Python's traceback; a hook
+    installed before this one still runs first otherwise. Installed once per process."""
     if getattr(sys.excepthook, "lazyzero_timeout", None) is not None:
         sys.excepthook.lazyzero_timeout = timeout
         return
     previous = sys.excepthook
 
     def hook(kind, error, traceback):
-        previous(kind, error, traceback)
+        if is_refusal(error):
+            if not prints_tracebacks_only(previous):  # someone else's hook (a tracker's) still hears of it
+                previous(kind, error, traceback)
+            print_refusal(error, traceback)
+        else:
+            previous(kind, error, traceback)
         if peer_lost(error):
             print(f"lazyzero: another rank stopped answering (dead, or stopped for longer than "
                   f"lazyzero.distributed.timeout_s = {hook.lazyzero_timeout.total_seconds():g} s); "

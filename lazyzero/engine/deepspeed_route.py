@@ -21,15 +21,18 @@ DEEPSPEED_DEFAULT_PORT = 29500
 
 
 def patch_deepspeed() -> None:
-    """Route `deepspeed.initialize` to `initialize_from_any_caller`. Calling it again does nothing."""
+    """Route `deepspeed.initialize` to `initialize_from_any_caller`, and with it the installed
+    trainers' checkpoint-folder rules (checkpoint/trainer_folders.py) and Accelerate's count of CPU
+    ranks (engine/accelerate_ranks.py). Calling it again does nothing."""
     import deepspeed
 
+    from lazyzero.checkpoint.trainer_folders import route_trainer_folder_rules
+    from lazyzero.engine.accelerate_ranks import route_accelerate_rank_count
     from lazyzero.patch_point import route_function
 
     route_function(deepspeed, "initialize", initialize_from_any_caller, owner=OWNER)
-    from lazyzero.checkpoint.trainer_folders import route_trainer_folder_rules
-
     route_trainer_folder_rules()
+    route_accelerate_rank_count()
 
 
 def unpatch_deepspeed() -> bool:
@@ -37,9 +40,11 @@ def unpatch_deepspeed() -> bool:
     import deepspeed
 
     from lazyzero.checkpoint.trainer_folders import unroute_trainer_folder_rules
+    from lazyzero.engine.accelerate_ranks import unroute_accelerate_rank_count
     from lazyzero.patch_point import unroute_function
 
     unroute_trainer_folder_rules()
+    unroute_accelerate_rank_count()
     return unroute_function(deepspeed, "initialize", owner=OWNER)
 
 

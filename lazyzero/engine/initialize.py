@@ -52,9 +52,10 @@ def initialize(
     from deepspeed.runtime.config import DeepSpeedConfig
     from deepspeed.utils import log_dist
 
-    from lazyzero.distributed.job_failure import apply_to_every_group, collective_timeout, end_job_on_uncaught_error
+    from lazyzero.distributed.job_failure import apply_to_every_group, collective_timeout
     from lazyzero.distributed.mpi_extra import check_mpi_discovery_possible
     from lazyzero.distributed.shm_segments import release_own_segment_name
+    from lazyzero.engine.accelerate_ranks import check_accelerate_counts_every_rank
     from lazyzero.engine.engine import LazyZeroEngine
     from lazyzero.engine.features import FeatureSet
     from lazyzero.feature import Feature
@@ -69,7 +70,8 @@ def initialize(
                           distributed_port=_rendezvous_port(distributed_port, TORCH_DISTRIBUTED_DEFAULT_PORT),
                           dist_init_required=dist_init_required, timeout=collective_timeout(lazyzero_config))
     release_own_segment_name(dist)
-    end_job_on_uncaught_error(collective_timeout(lazyzero_config))
+    _end_job_on_uncaught_errors(lazyzero_config)
+    check_accelerate_counts_every_rank()
     log_dist(f"DeepSpeed info: version={deepspeed.__version__}, git-hash={deepspeed.__git_hash__}, "
              f"git-branch={deepspeed.__git_branch__}", ranks=[0])
     mesh_device = _mesh_device(dist, ds_config, mesh_param)
@@ -134,6 +136,25 @@ def _base64_config(config) -> Optional[dict]:
     except ValueError:
         return None
     return decoded if isinstance(decoded, dict) else None
+
+
+def _end_job_on_uncaught_errors(lazyzero_config) -> None:
+    """An uncaught error ends the job (distributed/job_failure.py); lazyzero's refusals with one line
+    each (distributed/refusal_line.py): the checkpoint a rank refuses to load or cannot save (damaged,
+    unsafe to unpickle, leading outside its folder, larger than its disk), a config or NVMe folder
+    refused once the ranks are known, an Accelerate launch that would train every rank alike."""
+    from lazyzero.checkpoint.folder_layout import UnsafeCheckpointPath
+    from lazyzero.checkpoint.lazy_engine import CheckpointFailedError
+    from lazyzero.checkpoint.manifest import CheckpointDamagedError
+    from lazyzero.config.errors import LazyZeroConfigError
+    from lazyzero.distributed.job_failure import collective_timeout, end_job_on_uncaught_error
+    from lazyzero.distributed.refusal_line import register_refusals
+    from lazyzero.engine.accelerate_ranks import LaunchRefused
+    from lazyzero.safe_load import UnsafeCheckpointFile
+
+    register_refusals(CheckpointDamagedError, UnsafeCheckpointFile, UnsafeCheckpointPath, CheckpointFailedError,
+                      LazyZeroConfigError, LaunchRefused)
+    end_job_on_uncaught_error(collective_timeout(lazyzero_config))
 
 
 def _check_nvme_room(ds_config: dict, model, world_size: int) -> None:

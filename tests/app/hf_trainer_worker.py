@@ -1,11 +1,13 @@
 """A plain Hugging Face Trainer script with the one line `lazyzero.patch_deepspeed()` added; run by
 tests/app/test_trainers.py on 2 CPU ranks (`deepspeed --num_gpus 2`).
 
-Arguments: OUT_DIR DS_CONFIG [STEPS [resume]]. Rank 0 writes OUT_DIR/result.json: the engine's class,
-the lazyzero metrics of every step, the losses (and the step of each), the Trainer's log entries (with
-the lazyzero metrics `TrainerLogsCallback` adds), the checkpoint folders the
-Trainer left, and with "resume" the folder it resumed from (`resume_from_checkpoint=True`). Every save
-is followed by a check, on rank 0, that some committed checkpoint folder exists (`committed_at_save`).
+Arguments: OUT_DIR DS_CONFIG [STEPS [resume | example]]. Rank 0 writes OUT_DIR/result.json: the engine's
+class, the lazyzero metrics of every step, the losses (and the step of each), the Trainer's log entries
+(with the lazyzero metrics `TrainerLogsCallback` adds), the checkpoint folders the Trainer left, and the
+folder it resumed from: with "resume" the Trainer's pick (`resume_from_checkpoint=True`), with "example"
+the one transformers' example scripts pick (`get_last_checkpoint`, bound at import, before
+`lazyzero.patch_deepspeed()` runs) and pass on. Every save is followed by a check, on rank 0, that some
+committed checkpoint folder exists (`committed_at_save`).
 """
 
 import json
@@ -15,7 +17,7 @@ from pathlib import Path
 
 import torch
 from transformers import Trainer, TrainerCallback, TrainingArguments
-from transformers import trainer as trainer_module
+from transformers.trainer_utils import get_last_checkpoint
 
 import lazyzero
 from lazyzero.app.data.arithmetic import format_example, generate_problems
@@ -50,10 +52,31 @@ class RecordLazyZeroMetrics(TrainerCallback):
         self.steps.append({"step": state.global_step, **engine.lazyzero_step_metrics()})
 
 
+def train_as_the_example_scripts(trainer, training_args):
+    """The resume pattern of transformers' example scripts (examples/pytorch/language-modeling/run_clm.py
+    and friends, 4.x), as written there, less `overwrite_output_dir`, which transformers 5 no longer has;
+    the folder passed to train()."""
+    last_checkpoint = None
+    if os.path.isdir(training_args.output_dir) and training_args.do_train:
+        last_checkpoint = get_last_checkpoint(training_args.output_dir)
+        if last_checkpoint is None and len(os.listdir(training_args.output_dir)) > 0:
+            raise ValueError(
+                f"Output directory ({training_args.output_dir}) already exists and is not empty. "
+                "Use --overwrite_output_dir to overcome."
+            )
+    checkpoint = None
+    if training_args.resume_from_checkpoint is not None:
+        checkpoint = training_args.resume_from_checkpoint
+    elif last_checkpoint is not None:
+        checkpoint = last_checkpoint
+    trainer.train(resume_from_checkpoint=checkpoint)
+    return checkpoint
+
+
 def main() -> None:
     out, ds_config, *rest = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]
     steps = int(rest[0]) if rest else STEPS
-    resume = rest[1:] == ["resume"]
+    mode = rest[1] if rest[1:] else None
     lazyzero.patch_deepspeed()  # the one line this script adds to a plain Trainer script
 
     tokenizer = ByteTokenizer()
@@ -63,13 +86,16 @@ def main() -> None:
     args = TrainingArguments(output_dir=str(Path(out) / "trainer"), deepspeed=ds_config, use_cpu=True,
                              per_device_train_batch_size=4, max_steps=steps, learning_rate=2e-3,
                              save_steps=2, save_total_limit=1, logging_steps=1, report_to=[], seed=0,
-                             dataloader_num_workers=0, disable_tqdm=True)
+                             dataloader_num_workers=0, disable_tqdm=True, do_train=True)
     recorder, checker = RecordLazyZeroMetrics(), CheckCommittedAfterSave()
     trainer = Trainer(model=model, args=args, train_dataset=train_set,
                       callbacks=[recorder, checker, lazyzero.TrainerLogsCallback()])
     recorder.trainer = trainer
-    resumed_from = trainer_module.get_last_checkpoint(args.output_dir) if resume else None  # what train() picks
-    trainer.train(resume_from_checkpoint=True if resume else None)
+    if mode == "example":
+        resumed_from = train_as_the_example_scripts(trainer, args)
+    else:
+        resumed_from = get_last_checkpoint(args.output_dir) if mode == "resume" else None  # what train() picks
+        trainer.train(resume_from_checkpoint=True if mode == "resume" else None)
     engine = trainer.model_wrapped
     engine.wait_for_checkpoints()
     if int(os.environ.get("RANK", "0")) == 0:

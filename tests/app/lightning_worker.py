@@ -8,14 +8,16 @@ DeepSpeed (tests/app/test_lightning.py shows it); this script uses `CpuDeepSpeed
 strategy without that one check, the nearest path that runs here (docs/deepspeed-internals.md,
 "Trainers that call `deepspeed.initialize`").
 
-Arguments: OUT_DIR DS_CONFIG [STEPS [resume CKPT_DIR]]. An epoch is one batch per rank, the
+Arguments: OUT_DIR DS_CONFIG [STEPS [resume CKPT_DIR | last]]. An epoch is one batch per rank, the
 same in every epoch, and ModelCheckpoint saves every SAVE_EVERY epochs (keeping all: its save_top_k=1
-deletes the previous checkpoint while the new one may still be uncommitted). Resumed from a
+deletes the previous checkpoint while the new one may still be uncommitted). With "last" it also links
+`last.ckpt` to the folder it just saved (`save_last="link"`) and `fit` starts from `ckpt_path="last"`
+(afresh, with Lightning's warning, when there is none). Resumed from a
 checkpoint saved at an epoch's end, Lightning runs one more batch of that epoch from a DataLoader
 restarted at its first batch (plain DDP too); with one batch per epoch a resumed run sees what an
 uninterrupted one does, so the losses can be compared. Rank 0 writes
 OUT_DIR/result.json: the engine's class, the lazyzero metrics and loss of every step, the metrics
-after the last commit, the checkpoint folders.
+after the last commit, the checkpoint folders, the folder `fit` resumed from.
 """
 
 import json
@@ -96,12 +98,13 @@ def main() -> None:
     loader = DataLoader(TokenizedExamples(texts, tokenizer, seq_len=64), batch_size=BATCH, shuffle=False)
     module = LanguageModel(tokenizer.vocab_size)
     recorder = RecordSteps()
-    checkpoints = ModelCheckpoint(dirpath=str(Path(out) / "lightning"), save_top_k=-1,
-                                  every_n_epochs=SAVE_EVERY)
+    checkpoints = ModelCheckpoint(dirpath=str(Path(out) / "lightning"), save_top_k=-1, every_n_epochs=SAVE_EVERY,
+                                  save_last="link" if mode == ["last"] else None)
     trainer = L.Trainer(accelerator="cpu", devices=RANKS, strategy=CpuDeepSpeedStrategy(config=ds_config),
                         max_steps=steps, callbacks=[recorder, checkpoints], logger=False,
                         enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=True)
-    trainer.fit(module, loader, ckpt_path=mode[1] if mode[:1] == ["resume"] else None)
+    ckpt_path = mode[1] if mode[:1] == ["resume"] else "last" if mode == ["last"] else None
+    trainer.fit(module, loader, ckpt_path=ckpt_path)
     engine = trainer.strategy.model
     engine.wait_for_checkpoints()
     write_result(out, {"engine_class": type(engine).__name__,
@@ -110,7 +113,8 @@ def main() -> None:
                        "optimizer_class": type(engine.basic_optimizer).__name__,
                        "metrics": recorder.metrics, "losses": recorder.losses,
                        "after_commit": engine.lazyzero_step_metrics(),
-                       "checkpoints": sorted(p.name for p in (Path(out) / "lightning").iterdir())})
+                       "checkpoints": sorted(p.name for p in (Path(out) / "lightning").iterdir()),
+                       "resumed_from": trainer.ckpt_path and Path(trainer.ckpt_path).name})
     torch.distributed.barrier()
     engine.destroy()
     torch.distributed.destroy_process_group()

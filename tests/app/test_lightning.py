@@ -110,3 +110,27 @@ def test_a_lightning_run_killed_during_a_background_write_resumes_from_the_last_
     resumed = result_of(out, str(config), str(STEPS), "resume", str(folders[0]))
     assert [entry["step"] for entry in resumed["metrics"]] == [3, 4, 5, 6]
     assert resumed["losses"] == whole["losses"][2:], (resumed["losses"], whole["losses"])
+
+
+@pytest.mark.multiproc
+@pytest.mark.slow  # 2 runs: 60 s, 200 s on two busy cores
+def test_ckpt_path_last_resumes_from_the_last_committed_checkpoint_after_a_kill(whole_run):
+    """ModelCheckpoint(save_last="link") links last.ckpt to each folder right after the save call returns, and
+    the run is SIGKILLed in the middle of writing step 4's checkpoint. `fit(ckpt_path="last")` resumes from
+    step 2's folder, the newest committed one (checkpoint/lightning_folders.py), not from the uncommitted
+    folder last.ckpt may name, and the losses from step 3 on equal the uninterrupted run's."""
+    from lazyzero.checkpoint.trainer_folders import holds_uncommitted_checkpoint
+
+    root, config, whole = whole_run
+    out = root / "killed-last"
+    killed = run_worker(out, str(config), str(STEPS), "last", env={"LAZYZERO_FAILPOINT": "mid_file@0#2"})
+    assert killed.returncode != 0 and not (out / "result.json").exists()
+    folder = out / "lightning"
+    assert sorted(path.name for path in folder.iterdir()) == ["epoch=1-step=2.ckpt", "epoch=3-step=4.ckpt",
+                                                              "last.ckpt"]
+    assert holds_uncommitted_checkpoint(folder / "epoch=3-step=4.ckpt")
+
+    resumed = result_of(out, str(config), str(STEPS), "last")
+    assert resumed["resumed_from"] == "epoch=1-step=2.ckpt"
+    assert [entry["step"] for entry in resumed["metrics"]] == [3, 4, 5, 6]
+    assert resumed["losses"] == whole["losses"][2:], (resumed["losses"], whole["losses"])

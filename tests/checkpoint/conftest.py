@@ -21,10 +21,12 @@ TRAIN_ARGV = ["--module", "lazyzero.train", "--deepspeed_config", str(LAZY_CONFI
 SAVED_TAGS = ["step2", "step4"]
 
 
-def train(output_dir: Path, save_dir: Path, *extra: str, env: dict | None = None):
-    """lazyzero.train on 2 ranks; the CompletedProcess (output merged)."""
+def train(output_dir: Path, save_dir: Path, *extra: str, env: dict | None = None, rank_logs: Path | None = None):
+    """lazyzero.train on 2 ranks; the CompletedProcess (output merged). With `rank_logs`, each rank's
+    output goes to a file of its own there instead (the launcher's --enable_each_rank_log)."""
     argv = [*TRAIN_ARGV, "--output-dir", str(output_dir), "--save-dir", str(save_dir), *extra]
-    return run_distributed("deepspeed", 2, argv, timeout=300, cwd=ROOT, env=env)
+    launcher_args = ("--enable_each_rank_log", str(rank_logs)) if rank_logs else ()
+    return run_distributed("deepspeed", 2, argv, timeout=300, cwd=ROOT, env=env, launcher_args=launcher_args)
 
 
 def read_metrics(output_dir: Path) -> list[dict]:

@@ -156,7 +156,17 @@ def test_resume_from_a_damaged_shard_fails_naming_the_file(save_dir, tmp_path, l
     data[len(data) // 2] ^= 0x04
     path.write_bytes(data)
 
-    proc = lazy_train(tmp_path / "resumed", save_dir, "--resume", "--max-steps", "5")
+    logs = tmp_path / "rank_logs"
+    proc = lazy_train(tmp_path / "resumed", save_dir, "--resume", "--max-steps", "5", rank_logs=logs)
+    rank0, rank1 = (next(logs.glob(f"*_rank{rank}.log")).read_text() for rank in (0, 1))
     assert proc.returncode != 0
-    assert "CheckpointDamagedError" in proc.stdout and f"{path}: expected xxh3_128 " in proc.stdout, proc.stdout[-4000:]
     assert not (tmp_path / "resumed" / "metrics.jsonl").exists()
+    # One line, the last rank 0 prints: the file, what was expected and found (distributed/refusal_line.py).
+    refusal = rank0.strip().splitlines()[-1]
+    assert refusal.startswith(f"lazyzero: CheckpointDamagedError: checkpoint {save_dir / TAG} is damaged "
+                              f"(1 problem(s)): {path}: expected xxh3_128 "), rank0[-3000:]
+    # Rank 1 refused the same way (every rank verifies the whole tag): from the launcher's view the message
+    # reads once, and rank 1's last line points to rank 0's.
+    assert rank1.strip().splitlines()[-1] == ("lazyzero: rank 1 stopped on the same refusal as rank 0 "
+                                              "(CheckpointDamagedError); rank 0 prints it"), rank1[-3000:]
+    assert (proc.stdout + rank0 + rank1).count(f"{path}: expected xxh3_128 ") == 1, rank0[-3000:]

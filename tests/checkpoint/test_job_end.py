@@ -1,5 +1,5 @@
 """The end of a job loses nothing (docs/checkpoint.md, "The end of a job"; docs/reliability.md,
-guarantee 6): a plain script whose last line is a lazy save, or that ends in any of the ways real
+guarantee 8): a plain script whose last line is a lazy save, or that ends in any of the ways real
 scripts end, leaves that checkpoint committed and every rank exits cleanly; a commit that fails at
 exit is named and makes the exit status non-zero; SIGTERM stops every rank after the same step,
 saves and commits, and the resume continues bit for bit. Real processes on 2 ranks."""

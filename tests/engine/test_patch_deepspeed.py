@@ -38,11 +38,15 @@ def test_patch_routes_deepspeed_initialize_once_and_unpatch_restores_the_origina
     lazyzero.patch_deepspeed()
     assert deepspeed.initialize is routed is not original
     assert routed_to(deepspeed, "initialize") is initialize_from_any_caller
-    # With transformers installed, the Trainer's two folder rules are routed too (checkpoint/trainer_folders.py),
-    # and its default callbacks get the end-of-training one (checkpoint/trainer_end.py).
+    # With the trainers installed, their folder rules are routed too (checkpoint/trainer_folders.py), the
+    # Trainer's default callbacks get the end-of-training one (checkpoint/trainer_end.py), and Accelerate's
+    # count of CPU ranks is routed (engine/accelerate_ranks.py).
     assert [(p.target, p.owner) for p in applied_patches()[before:]] == [
-        ("deepspeed:initialize", OWNER), ("transformers.trainer:get_last_checkpoint", OWNER),
-        ("transformers.trainer:rotate_checkpoints", OWNER), ("transformers.trainer:DEFAULT_CALLBACKS", OWNER)]
+        ("deepspeed:initialize", OWNER), ("transformers.trainer_utils:get_last_checkpoint", OWNER),
+        ("transformers.trainer:rotate_checkpoints", OWNER), ("transformers.trainer:DEFAULT_CALLBACKS", OWNER),
+        ("lightning.pytorch.callbacks.model_checkpoint:ModelCheckpoint._find_last_checkpoints", OWNER),
+        ("accelerate.accelerator:Accelerator.load_state", OWNER),
+        ("accelerate.state:PartialState._prepare_backend", OWNER)]
     from transformers import trainer
 
     from lazyzero.checkpoint.trainer_end import LazyCheckpointsCallback

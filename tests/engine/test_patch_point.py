@@ -23,6 +23,7 @@ from lazyzero.optimizer.nvme_swap import EightBitStateSwapper
 from lazyzero.patch_point import (
     EXTEND,
     PATCH_POINTS,
+    REDIRECT,
     REPLACE,
     ROUTE,
     SWAP,
@@ -33,10 +34,13 @@ from lazyzero.patch_point import (
     deepspeed_internals_problems,
     extend_list,
     original_callable,
+    original_function,
     original_parameters,
+    redirect_function,
     replace_method,
     resolve_target,
     swapped,
+    unredirect_function,
     wrap_method,
 )
 from lazyzero.plan.zero_placement import TieredZeroOptimizer_Stage3
@@ -44,7 +48,7 @@ from lazyzero.plan.zero_placement import TieredZeroOptimizer_Stage3
 PACKAGE = Path(__file__).resolve().parents[2] / "lazyzero"
 DOOR = PACKAGE / "patch_point.py"
 DOORS = {"replace_method": REPLACE, "wrap_method": WRAP, "swapped": SWAP, "extend_list": EXTEND,
-         "route_function": ROUTE}
+         "route_function": ROUTE, "redirect_function": REDIRECT}
 # Assignments the checker below cannot tell from DeepSpeed's: (file, attribute) -> whose object it is.
 NOT_DEEPSPEED = {("lazyzero/activations/rewrites.py", "forward"): "the user's model modules' forward",
                  ("lazyzero/activations/loss_head.py", "forward"): "the user's causal LM's and its head's forward"}
@@ -60,6 +64,7 @@ def bare(cls):
 
 @pytest.mark.parametrize("point", PATCH_POINTS, ids=lambda point: point.target)
 def test_each_declared_attribute_exists_in_the_installed_deepspeed_as_declared(point):
+    pytest.importorskip(point.target.partition(".")[0].partition(":")[0])  # a trainer's, where it is installed
     value = resolve_target(point.target)
     if point.kind == EXTEND:
         assert isinstance(value, list) and point.parameters is None
@@ -214,6 +219,34 @@ def test_extend_appends_once_and_records_once():
             "deepspeed.runtime.zero.utils:ZERO_SUPPORTED_OPTIMIZERS"]
     finally:
         utils.ZERO_SUPPORTED_OPTIMIZERS.remove(Untested)
+
+
+def test_redirect_reaches_names_bound_before_it_and_unredirect_gives_the_code_back(tmp_path):
+    """A script's `from transformers.trainer_utils import get_last_checkpoint` binds the function
+    object before any patch; the redirect changes what that object does, for every name bound to it."""
+    trainer_utils = pytest.importorskip("transformers.trainer_utils")
+    bound_before, code = trainer_utils.get_last_checkpoint, trainer_utils.get_last_checkpoint.__code__
+
+    def newest(folder):
+        return ("lazyzero's", original_function(trainer_utils, "get_last_checkpoint")(folder))
+
+    redirect_function(trainer_utils, "get_last_checkpoint", newest, owner="test")
+    try:
+        redirect_function(trainer_utils, "get_last_checkpoint", newest, owner="test")  # again: nothing
+        with pytest.raises(PatchRefused, match="already redirected by test"):
+            redirect_function(trainer_utils, "get_last_checkpoint", lambda folder: None, owner="other")
+        with pytest.raises(PatchRefused, match="other undoes the redirect"):
+            unredirect_function(trainer_utils, "get_last_checkpoint", owner="other")
+        assert bound_before(str(tmp_path)) == ("lazyzero's", None)
+        assert inspect.signature(bound_before) == inspect.signature(original_function(trainer_utils,
+                                                                                      "get_last_checkpoint"))
+        assert applied_patches()[-1].target == "transformers.trainer_utils:get_last_checkpoint"
+    finally:
+        assert unredirect_function(trainer_utils, "get_last_checkpoint", owner="test")
+    assert bound_before is trainer_utils.get_last_checkpoint and bound_before.__code__ is code
+    assert not unredirect_function(trainer_utils, "get_last_checkpoint", owner="test")
+    with pytest.raises(PatchRefused, match="takes \\('folder', 'other'\\)"):
+        redirect_function(trainer_utils, "get_last_checkpoint", lambda folder, other: None, owner="test")
 
 
 # ------------------------------------------------------ replacing over a lazyzero subclass's override

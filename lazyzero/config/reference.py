@@ -11,7 +11,7 @@ import json
 
 from pydantic import BaseModel
 
-from lazyzero import __version__
+from lazyzero._version import __version__
 from lazyzero.config.fieldtypes import describe_allowed
 from lazyzero.config.models import FEATURES, LazyZeroConfig
 from lazyzero.config.release import NOT_YET_AVAILABLE

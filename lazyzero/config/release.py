@@ -6,7 +6,7 @@ the capability; that issue deletes its row.
 
 from __future__ import annotations
 
-from lazyzero import __version__
+from lazyzero._version import __version__
 from lazyzero.config.errors import Problem, render_value
 from lazyzero.config.models import LazyZeroConfig
 

@@ -138,7 +138,7 @@ def model_dtype(model: nn.Module) -> torch.dtype:
 def fingerprint(model: nn.Module, request: _Request) -> Fingerprint:
     import deepspeed
 
-    from lazyzero import __version__ as lazyzero_version
+    from lazyzero._version import __version__ as lazyzero_version
 
     return Fingerprint(
         model_config_sha256=model_config_sha256(model), micro_batch=request.micro_batch, seq_len=request.seq_len,

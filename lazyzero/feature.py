@@ -31,6 +31,23 @@ class Feature:
     def __init__(self, lazyzero_config, **inputs):
         self.config = lazyzero_config
 
+    # --- the process, before any engine -----------------------------------------------------------
+
+    @classmethod
+    def refusals(cls) -> tuple[type[BaseException], ...]:
+        """The capability's error types that refuse a user's input (a file, a folder, a launch): an
+        uncaught one ends the job with its message as one line (distributed/refusal_line.py)."""
+        return ()
+
+    @classmethod
+    def patch_trainers(cls) -> None:
+        """`lazyzero.patch_deepspeed()`: change what the trainers (Hugging Face, Accelerate, Lightning)
+        must do differently for this capability, through the patch point."""
+
+    @classmethod
+    def unpatch_trainers(cls) -> None:
+        """`lazyzero.unpatch_deepspeed()`: undo `patch_trainers`."""
+
     # --- before DeepSpeed builds anything (lazyzero.initialize) -----------------------------------
 
     def prepare_run(self, model, ds_config: dict, lazyzero_config, dist) -> dict | None:

@@ -10,10 +10,13 @@ import os
 from contextlib import nullcontext
 
 from lazyzero.checkpoint import engine_hooks
-from lazyzero.checkpoint.folder_layout import check_tag, read_latest
+from lazyzero.checkpoint.folder_layout import UnsafeCheckpointPath, check_tag, read_latest
 from lazyzero.checkpoint.job_end import finish_pending_checkpoints
+from lazyzero.checkpoint.lazy_engine import CheckpointFailedError
+from lazyzero.checkpoint.manifest import CheckpointDamagedError
 from lazyzero.checkpoint.nvme_restore import replay_cpu_adam_after_load, restore_nvme_offloaded_state
 from lazyzero.checkpoint.preemption import StopOnSigterm, stop_message
+from lazyzero.checkpoint.trainer_folders import route_trainer_folder_rules, unroute_trainer_folder_rules
 from lazyzero.checkpoint.verified_read import VerifiedFiles
 from lazyzero.feature import Feature
 
@@ -25,6 +28,20 @@ class CheckpointFeature(Feature):
         self.verified = VerifiedFiles()
         self.stop: StopOnSigterm | None = None
         self.last_save_dir: str | None = None
+
+    @classmethod
+    def refusals(cls) -> tuple[type[BaseException], ...]:
+        # A checkpoint a rank refuses to load or cannot save: damaged, leading outside its folder,
+        # larger than its disk (docs/reliability.md, guarantee 9).
+        return CheckpointDamagedError, UnsafeCheckpointPath, CheckpointFailedError
+
+    @classmethod
+    def patch_trainers(cls) -> None:
+        route_trainer_folder_rules()
+
+    @classmethod
+    def unpatch_trainers(cls) -> None:
+        unroute_trainer_folder_rules()
 
     @property
     def lazy(self) -> bool:

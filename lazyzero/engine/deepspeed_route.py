@@ -21,17 +21,18 @@ DEEPSPEED_DEFAULT_PORT = 29500
 
 
 def patch_deepspeed() -> None:
-    """Route `deepspeed.initialize` to `initialize_from_any_caller`, and with it the installed
-    trainers' checkpoint-folder rules (checkpoint/trainer_folders.py) and Accelerate's count of CPU
-    ranks (engine/accelerate_ranks.py). Calling it again does nothing."""
+    """Route `deepspeed.initialize` to `initialize_from_any_caller`, and with it what each capability
+    changes in the installed trainers (`Feature.patch_trainers`: the checkpoint-folder rules) and
+    Accelerate's count of CPU ranks (engine/accelerate_ranks.py). Calling it again does nothing."""
     import deepspeed
 
-    from lazyzero.checkpoint.trainer_folders import route_trainer_folder_rules
     from lazyzero.engine.accelerate_ranks import route_accelerate_rank_count
+    from lazyzero.engine.features import call_on_classes
+    from lazyzero.feature import Feature
     from lazyzero.patch_point import route_function
 
     route_function(deepspeed, "initialize", initialize_from_any_caller, owner=OWNER)
-    route_trainer_folder_rules()
+    call_on_classes(Feature.patch_trainers)
     route_accelerate_rank_count()
 
 
@@ -39,11 +40,12 @@ def unpatch_deepspeed() -> bool:
     """Give `deepspeed.initialize` back DeepSpeed's own function; whether it was routed."""
     import deepspeed
 
-    from lazyzero.checkpoint.trainer_folders import unroute_trainer_folder_rules
     from lazyzero.engine.accelerate_ranks import unroute_accelerate_rank_count
+    from lazyzero.engine.features import call_on_classes
+    from lazyzero.feature import Feature
     from lazyzero.patch_point import unroute_function
 
-    unroute_trainer_folder_rules()
+    call_on_classes(Feature.unpatch_trainers)
     unroute_accelerate_rank_count()
     return unroute_function(deepspeed, "initialize", owner=OWNER)
 

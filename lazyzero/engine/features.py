@@ -75,8 +75,15 @@ class FeatureSet:
         return self.by_section[name]
 
 
+def call_on_classes(hook: Hook) -> list:
+    """A class-level hook (`Feature.refusals`, `Feature.patch_trainers`, ...) of every feature class."""
+    name = _hook_name(hook)
+    return [getattr(feature_class, name)() for feature_class in FEATURES.values()]
+
+
 def _hook_name(hook: Hook) -> str:
     name = getattr(hook, "__name__", None)
-    if getattr(Feature, name or "", None) is not hook:
-        raise TypeError(f"{hook!r} is not a hook of lazyzero.engine.features.Feature")
+    declared = getattr(Feature, name or "", None)
+    if declared is None or getattr(declared, "__func__", declared) is not getattr(hook, "__func__", hook):
+        raise TypeError(f"{hook!r} is not a hook of lazyzero.feature.Feature")
     return name

@@ -143,17 +143,16 @@ def _end_job_on_uncaught_errors(lazyzero_config) -> None:
     each (distributed/refusal_line.py): the checkpoint a rank refuses to load or cannot save (damaged,
     unsafe to unpickle, leading outside its folder, larger than its disk), a config or NVMe folder
     refused once the ranks are known, an Accelerate launch that would train every rank alike."""
-    from lazyzero.checkpoint.folder_layout import UnsafeCheckpointPath
-    from lazyzero.checkpoint.lazy_engine import CheckpointFailedError
-    from lazyzero.checkpoint.manifest import CheckpointDamagedError
     from lazyzero.config.errors import LazyZeroConfigError
     from lazyzero.distributed.job_failure import collective_timeout, end_job_on_uncaught_error
     from lazyzero.distributed.refusal_line import register_refusals
     from lazyzero.engine.accelerate_ranks import LaunchRefused
+    from lazyzero.engine.features import call_on_classes
+    from lazyzero.feature import Feature
     from lazyzero.safe_load import UnsafeCheckpointFile
 
-    register_refusals(CheckpointDamagedError, UnsafeCheckpointFile, UnsafeCheckpointPath, CheckpointFailedError,
-                      LazyZeroConfigError, LaunchRefused)
+    capabilities = [error for refusals in call_on_classes(Feature.refusals) for error in refusals]
+    register_refusals(*capabilities, UnsafeCheckpointFile, LazyZeroConfigError, LaunchRefused)
     end_job_on_uncaught_error(collective_timeout(lazyzero_config))
 
 

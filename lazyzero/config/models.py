@@ -34,6 +34,10 @@ class ConfigSection(BaseModel):
     retired_values: ClassVar[dict[str, dict[Any, str]]] = {}
     """Field -> {value it no longer takes -> hint added to the problem after what is allowed}."""
 
+    planned_fields: ClassVar[tuple[str, ...]] = ()
+    """Fields the memory planner sets when `lazyzero.plan.enabled` is true (lazyzero/config/plan_checks.py):
+    a value given for one is refused, and a new plan replaces them while the section's other fields stay."""
+
     model_config = ConfigDict(
         extra="forbid",
         strict=True,
@@ -129,6 +133,9 @@ class PlanConfig(ConfigSection):
 
 class ActivationsConfig(ConfigSection):
     """Block-wise 4/8-bit quantization of the activations saved for backward, chosen per layer."""
+
+    planned_fields = ("enabled", "default_bits", "overrides", "recompute_layers", "offload_layers",
+                      "offload_nvme_path")
 
     enabled: bool = False
     """Quantize saved activations (through saved-tensor hooks) as set below."""
@@ -234,6 +241,7 @@ class OptimizerConfig(ConfigSection):
     """8-bit Adam/AdamW: optimizer states stored block-wise in 8 bits, with a fused step."""
 
     retired_values = {"type": {"none": "switch the 8-bit optimizer off with lazyzero.optimizer.enabled: false"}}
+    planned_fields = ("enabled", "type", "fraction_8bit")
 
     enabled: bool = False
     """Replace DeepSpeed's Adam or AdamW (hyper-parameters from its "optimizer" section) by the 8-bit `type`; false
@@ -330,7 +338,7 @@ FEATURES = ("plan", "activations", "gradients", "optimizer", "checkpoint")
 class LazyZeroConfig(ConfigSection):
     """The validated "lazyzero" section, as the engine receives it.
 
-    Build it with `validate_ds_config`, which also applies the release gate and the checks against
+    Build it with `validate_ds_config`, which also applies the checks against
     the DeepSpeed settings around the section; constructing it directly checks the schema only.
     """
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 from typing import Any, Optional
 
+from lazyzero.checkpoint.config import checkpoint_problems
 from lazyzero.config.async_io import async_io_problems
 from lazyzero.config.errors import Problem
 from lazyzero.config.models import LazyZeroConfig
@@ -18,6 +19,7 @@ from lazyzero.config.optimizer_swap import (
     pipelined_buffer_count,
 )
 from lazyzero.config.plan_checks import plan_problems
+from lazyzero.gradients.config import gradients_problems
 
 WRITABLE_DIRECTORY = "an existing directory this process can write to"
 ZERO_STAGES = (0, 1, 2, 3)
@@ -50,9 +52,9 @@ def lazyzero_against_deepspeed_problems(config: LazyZeroConfig, ds_config: dict,
     if config.plan.nvme_path is not None:
         problems += _nvme_folder_problems("lazyzero.plan.nvme_path", config.plan.nvme_path)
     problems += _optimizer_conflicts(config, ds_config)
-    problems += _gradient_conflicts(config, ds_config, world_size)
+    problems += gradients_problems(config.gradients, ds_config, world_size)
     problems += _activation_conflicts(config, ds_config)
-    problems += _checkpoint_conflicts(config, ds_config)
+    problems += checkpoint_problems(config.checkpoint, ds_config)
     problems += plan_problems(config, ds_config)
     return problems
 
@@ -152,32 +154,6 @@ def _eight_bit_state_blockers(ds_config: dict) -> list[tuple[str, str, str]]:
     return blockers
 
 
-def _gradient_conflicts(config: LazyZeroConfig, ds_config: dict, world_size: Optional[int]) -> list[Problem]:
-    problems = []
-    zero = ds_config.get("zero_optimization")
-    if config.gradients.enabled and isinstance(zero, dict) and zero.get("zero_quantized_gradients") is True:
-        problems.append(Problem.conflict(
-            "lazyzero.gradients.enabled", True, "false while zero_optimization.zero_quantized_gradients is true",
-            "ZeRO++ qgZ would quantize the same gradients a second time"))
-    stage = zero.get("stage", 0) if isinstance(zero, dict) else 0
-    if (config.gradients.enabled and stage in (1, 2)
-            and isinstance(zero, dict) and zero.get("contiguous_gradients", True) is False):
-        problems.append(Problem.conflict(
-            "lazyzero.gradients.enabled", True,
-            "false while zero_optimization.contiguous_gradients is false on stage 1 or 2",
-            "without a contiguous bucket DeepSpeed reduces in full precision through a path int8 does not replace"))
-    if config.gradients.error_feedback and not config.gradients.enabled:
-        problems.append(Problem.bad_value(
-            "lazyzero.gradients.error_feedback", True,
-            "false while lazyzero.gradients.enabled is false (it carries the int8 rounding error)"))
-    ranks_per_node = config.gradients.ranks_per_node
-    if ranks_per_node is not None and world_size is not None and world_size % ranks_per_node:
-        problems.append(Problem.bad_value(
-            "lazyzero.gradients.ranks_per_node", ranks_per_node,
-            f"a divisor of the world size {world_size} (the two-hop layout needs whole nodes)"))
-    return problems
-
-
 def _activation_conflicts(config: LazyZeroConfig, ds_config: dict) -> list[Problem]:
     problems = _activation_offload_problems(config.activations)
     checkpointing = ds_config.get("activation_checkpointing")
@@ -222,21 +198,4 @@ def _activation_offload_problems(activations) -> list[Problem]:
             f"{path}.block_size", activations.block_size,
             f"at most {MAX_OUTLIER_BLOCK} while {path}.keep_outliers is true (an outlier's index in its block is one "
             "byte); or set keep_outliers to false"))
-    return problems
-
-
-def _checkpoint_conflicts(config: LazyZeroConfig, ds_config: dict) -> list[Problem]:
-    ds_checkpoint = ds_config.get("checkpoint")
-    if not config.checkpoint.enabled or not isinstance(ds_checkpoint, dict):
-        return []
-    problems = []
-    if ds_checkpoint.get("writer") is not None:
-        problems.append(Problem.conflict(
-            "checkpoint.writer", ds_checkpoint["writer"], "absent while lazyzero.checkpoint.enabled is true",
-            "lazyzero installs its own checkpoint engine, so DeepSpeed's writer settings would be ignored"))
-    if ds_checkpoint.get("use_node_local_storage") is True:
-        problems.append(Problem.conflict(
-            "checkpoint.use_node_local_storage", True, "false while lazyzero.checkpoint.enabled is true",
-            "rank 0 commits a checkpoint by renaming one folder holding every rank's files, "
-            "so save_dir must be one shared filesystem"))
     return problems

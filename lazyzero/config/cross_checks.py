@@ -12,19 +12,12 @@ from lazyzero.checkpoint.config import checkpoint_problems
 from lazyzero.config.async_io import async_io_problems
 from lazyzero.config.errors import Problem
 from lazyzero.config.models import LazyZeroConfig
-from lazyzero.config.optimizer_swap import (
-    PARTITIONED_BUFFER_COUNT,
-    PIPELINED_OPERATIONS_IN_FLIGHT,
-    is_pipelined,
-    pipelined_buffer_count,
-)
 from lazyzero.config.plan_checks import plan_problems
 from lazyzero.gradients.config import gradients_problems
+from lazyzero.optimizer.config import optimizer_problems
 
 WRITABLE_DIRECTORY = "an existing directory this process can write to"
 ZERO_STAGES = (0, 1, 2, 3)
-# DeepSpeed compares optimizer names lowercased (deepspeed/runtime/config.py).
-ADAM_FAMILY = ("adam", "adamw")
 OFFLOAD_SECTIONS = ("offload_param", "offload_optimizer")
 
 
@@ -51,7 +44,7 @@ def lazyzero_against_deepspeed_problems(config: LazyZeroConfig, ds_config: dict,
     problems = []
     if config.plan.nvme_path is not None:
         problems += _nvme_folder_problems("lazyzero.plan.nvme_path", config.plan.nvme_path)
-    problems += _optimizer_conflicts(config, ds_config)
+    problems += optimizer_problems(config.optimizer, ds_config)
     problems += gradients_problems(config.gradients, ds_config, world_size)
     problems += _activation_conflicts(config, ds_config)
     problems += checkpoint_problems(config.checkpoint, ds_config)
@@ -99,59 +92,6 @@ def _directory_problems(path: str, directory: Any) -> list[Problem]:
     else:
         return []
     return [Problem.bad_value(path, directory, f"{WRITABLE_DIRECTORY} ({reason})")]
-
-
-def _optimizer_conflicts(config: LazyZeroConfig, ds_config: dict) -> list[Problem]:
-    if not config.optimizer.enabled:
-        return []
-    problems = [Problem.conflict("lazyzero.optimizer.enabled", True, f"false while {setting} is {value}", why)
-                for setting, value, why in _eight_bit_state_blockers(ds_config)]
-    problems += _pipelined_swap_buffer_problems(ds_config)
-    ds_optimizer = ds_config.get("optimizer")
-    if not isinstance(ds_optimizer, dict) or "type" not in ds_optimizer:
-        # Without an "optimizer" section the optimizer comes from code; the engine checks it there.
-        return problems
-    ds_type = ds_optimizer["type"]
-    if not (isinstance(ds_type, str) and ds_type.lower() in ADAM_FAMILY):
-        problems.append(Problem.conflict(
-            "lazyzero.optimizer.enabled", True, "false unless optimizer.type is Adam or AdamW",
-            f"optimizer.type is {ds_type!r}; the 8-bit optimizers replace Adam or AdamW and take their "
-            "hyper-parameters"))
-    return problems
-
-
-def _pipelined_swap_buffer_problems(ds_config: dict) -> list[Problem]:
-    """The pipelined swapper holds up to three operations of four buffers each
-    (lazyzero/config/optimizer_swap.py); too few stop the first step with an assertion."""
-    zero = ds_config.get("zero_optimization")
-    offload = zero.get("offload_optimizer") if isinstance(zero, dict) else None
-    if not (isinstance(offload, dict) and offload.get("device") == "nvme" and is_pipelined(offload)):
-        return []
-    count, needed = offload.get("buffer_count", PARTITIONED_BUFFER_COUNT), pipelined_buffer_count()
-    if not isinstance(count, int) or count >= needed:
-        return []
-    return [Problem.conflict(
-        "zero_optimization.offload_optimizer.buffer_count", count,
-        f"at least {needed} while pipeline_read or pipeline_write is true and lazyzero.optimizer is enabled",
-        f"up to {PIPELINED_OPERATIONS_IN_FLIGHT} swap operations are in flight, each holding a sub-group's fp32 "
-        "master, its gradient and its moments (fp32, or 8-bit packed in one buffer)")]
-
-
-def _eight_bit_state_blockers(ds_config: dict) -> list[tuple[str, str, str]]:
-    """DeepSpeed settings that would move or reshape optimizer states as fp32 tensors of the
-    partition's size, which 8-bit codes and per-block scales are not: (setting, value, why)."""
-    zero = ds_config.get("zero_optimization")
-    zero = zero if isinstance(zero, dict) else {}
-    blockers = []
-    if zero.get("elastic_checkpoint") is True:
-        blockers.append(("zero_optimization.elastic_checkpoint", "true",
-                         "elastic checkpoints re-split optimizer states as fp32 partition slices; 8-bit states are "
-                         "saved per rank and reload on the same number of ranks"))
-    checkpoint = ds_config.get("checkpoint")
-    if isinstance(checkpoint, dict) and checkpoint.get("load_universal") is True:
-        blockers.append(("checkpoint.load_universal", "true",
-                         "universal checkpoints hold fp32 exp_avg/exp_avg_sq per parameter, not 8-bit states"))
-    return blockers
 
 
 def _activation_conflicts(config: LazyZeroConfig, ds_config: dict) -> list[Problem]:

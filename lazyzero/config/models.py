@@ -1,7 +1,7 @@
 """The "lazyzero" section of a DeepSpeed config, composed: `LazyZeroConfig` holds one model per capability,
 every feature off by default. The sections of capabilities that own theirs live beside them
-(`lazyzero/gradients/config.py`, `lazyzero/checkpoint/config.py`); the base class and why it is not
-DeepSpeed's is `lazyzero/config/section.py`.
+(`lazyzero/gradients/config.py`, `lazyzero/optimizer/config.py`, `lazyzero/checkpoint/config.py`); the
+base class, and why it is not DeepSpeed's, is `lazyzero/config/section.py`.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from lazyzero.checkpoint.config import CheckpointConfig
 from lazyzero.config.fieldtypes import LayerIndices, LayerKey, MemorySize, NonEmptyStr, PowerOfTwo
 from lazyzero.config.section import ConfigSection
 from lazyzero.gradients.config import GradientsConfig
+from lazyzero.optimizer.config import OptimizerConfig
 
 
 class PlanConfig(ConfigSection):
@@ -177,36 +178,6 @@ class ActivationsConfig(ConfigSection):
     offload_prefetch_layers: int = Field(1, ge=0)
     """How far ahead backward reads offloaded activations: when layer j's backward starts, the reads of layer j
     (those not asked yet) and of layers j-1 to j-N start. 0: each tensor is read when backward needs it."""
-
-
-class OptimizerConfig(ConfigSection):
-    """8-bit Adam/AdamW: optimizer states stored block-wise in 8 bits, with a fused step."""
-
-    retired_values = {"type": {"none": "switch the 8-bit optimizer off with lazyzero.optimizer.enabled: false"}}
-    planned_fields = ("enabled", "type", "fraction_8bit")
-
-    enabled: bool = False
-    """Replace DeepSpeed's Adam or AdamW (hyper-parameters from its "optimizer" section) by the 8-bit `type`; false
-    keeps it."""
-
-    type: Literal["adamw8bit", "adam8bit"] = "adamw8bit"
-    """The 8-bit optimizer: "adamw8bit" (decoupled weight decay, as AdamW) or "adam8bit" (L2 decay, as Adam)."""
-
-    block_size: PowerOfTwo(32, 4096) = 256
-    """State elements sharing one scale."""
-
-    min_8bit_size: int = Field(4096, ge=0)
-    """Parameters with fewer elements keep fp32 states (the scales would outweigh the saving)."""
-
-    fp32_patterns: list[NonEmptyStr] = Field(default_factory=lambda: ["*embed*", "*norm*"])
-    """Parameter-name glob patterns (fnmatch) whose states stay fp32; embeddings and norms are sensitive to
-    quantization."""
-
-    fraction_8bit: Optional[float] = Field(None, ge=0, le=1)
-    """Fraction of the eligible parameters' elements given 8-bit states, largest tensors first. null: all."""
-
-    fused_clipping: bool = True
-    """Compute the gradient norm and clip inside the fused step instead of in a separate pass."""
 
 
 class DistributedConfig(ConfigSection):

@@ -12,8 +12,8 @@ import math
 
 from deepspeed.utils.logging import print_dist
 
-from lazyzero.config.cross_checks import ADAM_FAMILY
 from lazyzero.optimizer import Adam8bit, AdamW8bit, clipping
+from lazyzero.optimizer.config import ADAM_FAMILY
 from lazyzero.optimizer.state_policy import choose_state_precision, split_param_groups
 from lazyzero.patch_point import extend_list, set_state
 

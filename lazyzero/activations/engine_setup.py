@@ -13,9 +13,9 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from lazyzero.activations import ActivationAccounting, ActivationPacker, ActivationPolicy, SavedBytes
+from lazyzero.activations.config import ActivationsConfig
 from lazyzero.activations.offload_io import AioSettings
 from lazyzero.activations.policy import decoder_layers
-from lazyzero.config.models import ActivationsConfig
 from lazyzero.patch_point import set_state
 
 

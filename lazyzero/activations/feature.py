@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from contextlib import nullcontext
 
+from lazyzero.activations.config import ActivationsConfig
 from lazyzero.activations.engine_setup import ActivationMemory
-from lazyzero.config.models import ActivationsConfig
 from lazyzero.feature import Feature
 
 

@@ -1,7 +1,7 @@
 """The "lazyzero" section of a DeepSpeed config, composed: `LazyZeroConfig` holds one model per capability,
 every feature off by default. The sections of capabilities that own theirs live beside them
-(`lazyzero/gradients/config.py`, `lazyzero/optimizer/config.py`, `lazyzero/checkpoint/config.py`); the
-base class, and why it is not DeepSpeed's, is `lazyzero/config/section.py`.
+(`lazyzero/<capability>/config.py`; so far all but the planner's); the base class, and why it is not
+DeepSpeed's, is `lazyzero/config/section.py`.
 """
 
 from __future__ import annotations
@@ -10,8 +10,9 @@ from typing import Literal, Optional
 
 from pydantic import Field
 
+from lazyzero.activations.config import ActivationsConfig
 from lazyzero.checkpoint.config import CheckpointConfig
-from lazyzero.config.fieldtypes import LayerIndices, LayerKey, MemorySize, NonEmptyStr, PowerOfTwo
+from lazyzero.config.fieldtypes import MemorySize, NonEmptyStr
 from lazyzero.config.section import ConfigSection
 from lazyzero.gradients.config import GradientsConfig
 from lazyzero.optimizer.config import OptimizerConfig
@@ -99,85 +100,6 @@ class PlanConfig(ConfigSection):
     """Optimizer steps between the run's lazy checkpoints: the planner spreads each snapshot's copy traffic over the
     compute windows of that many steps, beside the other transfers. null: none planned
     (`lazyzero train --save-every N` sets it)."""
-
-
-class ActivationsConfig(ConfigSection):
-    """Block-wise 4/8-bit quantization of the activations saved for backward, chosen per layer."""
-
-    planned_fields = ("enabled", "default_bits", "overrides", "recompute_layers", "offload_layers",
-                      "offload_nvme_path")
-
-    enabled: bool = False
-    """Quantize saved activations (through saved-tensor hooks) as set below."""
-
-    default_bits: Literal[4, 8, 16] = 8
-    """Bits per saved activation for modules no `overrides` pattern matches (MLPs and the rest of each layer); 16
-    keeps them unquantized. 4 halves their bytes but, on pretrained LLMs, gives about ten times the gradient error
-    of 8 (docs/activations.md)."""
-
-    attention_bits: Literal[8, 16] = 8
-    """Bits for the query and key an attention call saves, which rebuild its softmax (too sensitive for 4 bits):
-    stored in blocks along tokens within each channel, each block centred, where pretrained models' large key
-    channels cost no precision; 16 keeps them exact. The logsumexp, and every tensor of an attention that does not
-    call SDPA (eager attention), stay exact (docs/activations.md)."""
-
-    attention_input_bits: Optional[Literal[4, 8, 16]] = None
-    """Bits for the attention module's input (the output of the norm before it, read only by the q/k/v projections'
-    weight gradients); unset: the layer's norm width, and rebuilt from the norm's stored input at no cost where
-    `recompute_elementwise` applies; 16 keeps it exact. Attention's own tensors (q, k, v, output) keep
-    `attention_bits` or `attention_value_bits`."""
-
-    attention_value_bits: Literal[8, 16] = 8
-    """Fewest bits for the attention's value, its output and the output projection's input, which only sums over the
-    head dimension read (q and k, which rebuild the softmax, keep `attention_bits`); a wider layer width applies, so
-    a layer kept at 16 bits keeps them exact. 16: kept exact."""
-
-    norm_bits: Literal[4, 8, 16] = 8
-    """Fewest bits for tensors saved by norms (their input is the residual stream, whose outlier channels 4-bit
-    blocks handle worst); a wider layer width applies."""
-
-    block_size: PowerOfTwo(32, 4096) = 64
-    """Elements sharing one scale; smaller blocks follow local magnitudes more closely (at most 256 with
-    `keep_outliers`)."""
-
-    keep_outliers: bool = True
-    """Store each block's largest-magnitude element exactly (its value in the tensor's dtype and a one-byte index: 3
-    bytes per block in bf16) and scale the block by the rest, so that one value thousands of times larger than its
-    neighbours, as pretrained LLMs' residual streams carry, costs the others no precision."""
-
-    fused_loss: bool = True
-    """Compute a causal LM's cross-entropy loss and its gradients together in forward, a chunk of tokens at a time,
-    so that no logits are kept for backward (they are the largest saved tensor of a model with a large vocabulary).
-    Applies to transformers causal LMs called with `labels` while autograd records; their output then has no
-    `logits`."""
-
-    stochastic_rounding: bool = False
-    """Round to a neighbouring code at random (unbiased) instead of to the nearest one."""
-
-    overrides: dict[NonEmptyStr, Literal[4, 8, 16]] = Field(default_factory=dict)
-    """Bits per module: module-name glob pattern (fnmatch, e.g. "model.layers.0.*") -> bits; the first matching
-    pattern, in the order written, wins."""
-
-    recompute_layers: LayerIndices = Field(default_factory=list)
-    """Layers whose activations are recomputed in backward instead of saved."""
-
-    recompute_elementwise: bool = True
-    """In quantized modules, store only what cheap elementwise work cannot rebuild: norms keep just their input,
-    gated MLPs drop act(gate) and the product (rebuilt in backward, no extra matmul)."""
-
-    offload_layers: dict[LayerKey, Literal["cpu", "nvme"]] = Field(default_factory=dict)
-    """Layers whose stored activations (packed, or kept at 16 bits) leave the device right after they are saved and
-    are read back ahead of their backward: layer index -> "cpu" (pinned host memory; on a machine without CUDA they
-    already are in host memory and stay there) or "nvme" (files under `offload_nvme_path`). Not for layers in
-    `recompute_layers`."""
-
-    offload_nvme_path: Optional[NonEmptyStr] = None
-    """Existing, writable folder for the files of the "nvme" layers (one sub-folder per rank and process, removed
-    when training ends); required when a layer says "nvme"."""
-
-    offload_prefetch_layers: int = Field(1, ge=0)
-    """How far ahead backward reads offloaded activations: when layer j's backward starts, the reads of layer j
-    (those not asked yet) and of layers j-1 to j-N start. 0: each tensor is read when backward needs it."""
 
 
 class DistributedConfig(ConfigSection):

@@ -30,12 +30,19 @@ Kinds:
   could call `lazyzero.patch_deepspeed()`), so routing the module attribute would miss them: the
   function object itself calls lazyzero's until undone (its code is swapped for a call of it), so
   every name bound to it does; the original runs from a copy (`original_function`).
+- SET: state assigned from outside on an object a library's own code reads: a DeepSpeed optimizer's
+  private fields (the loss scaler a resume restores, the norm the engine reports), a ZeRO parameter's
+  swap fields, and, for transformers, a model module's `forward` and a checkpointing layer's
+  `_gradient_checkpointing_func`. There is no original to call, so no parameters: the table names the
+  class whose code reads or writes the attribute (for state on objects it does not own, such as a
+  parameter, the class that handles them), and the check is that its source still does.
 """
 
 from __future__ import annotations
 
 import functools
 import inspect
+import re
 import types
 import weakref
 from collections.abc import Callable, Iterator
@@ -44,10 +51,12 @@ from dataclasses import dataclass
 
 import deepspeed
 
-REPLACE, WRAP, SWAP, EXTEND, ROUTE, REDIRECT = "replace", "wrap", "swap", "extend", "route", "redirect"
+REPLACE, WRAP, SWAP, EXTEND, ROUTE, REDIRECT, SET = "replace", "wrap", "swap", "extend", "route", "redirect", "set"
 
 _STAGE3 = "deepspeed.runtime.zero.stage3:DeepSpeedZeroOptimizer_Stage3"
 _STAGE12 = "deepspeed.runtime.zero.stage_1_and_2:DeepSpeedZeroOptimizer"
+_INIT = "deepspeed.runtime.zero.partition_parameters:Init"
+_ENGINE = "deepspeed.runtime.engine:DeepSpeedEngine"
 
 
 # The DeepSpeed releases lazyzero is tested with, lowest and highest (pyproject.toml declares the same
@@ -182,6 +191,30 @@ PATCH_POINTS: tuple[PatchPoint, ...] = (
     PatchPoint("torch.distributed:destroy_process_group", ROUTE, ("group",),
                "lazy checkpoints commit and their threads stop before the world group, on which their agreement "
                "runs, is destroyed (Accelerate's end_training, a script's last line)"),
+    # Private state set from outside (SET). A resume that DeepSpeed's loader cannot do restores the
+    # saved loss scaler as its `_rigid_load_state_dict` does (optimizer/zero3_reshard.py, `restore_loss_scaler`).
+    *(PatchPoint(f"{_STAGE3}.{name}", SET, None,
+                 "an NVMe-offloaded or re-split ZeRO-3 resume restores the saved loss scaler "
+                 "(checkpoint/nvme_restore.py, optimizer/zero3_reshard.py)")
+      for name in ("loss_scaler", "dynamic_loss_scale", "overflow")),
+    PatchPoint(f"{_ENGINE}._global_grad_norm", SET, None,
+               "stage 0: the norm computed for fused clipping, which the engine reads from its optimizer after "
+               "the step and reports (optimizer/engine_setup.py)"),
+    PatchPoint(f"{_INIT}.remote_device", SET, None,
+               "only the placed parameters are partitioned to NVMe at conversion (plan/zero_placement.py)"),
+    PatchPoint(f"{_INIT}.nvme_swapper", SET, None,
+               "parameters partitioned before the placement get the NVMe swapper zero.Init gives its own "
+               "(plan/zero_placement.py)"),
+    PatchPoint(f"{_INIT}.final_location", SET, None,
+               "a partition moved to NVMe after conversion is marked as zero.Init marks its own "
+               "(plan/zero_placement.py)"),
+    # transformers models: a module's forward rewritten on the instance (nn.Module.__call__ reads
+    # `self.forward`), and a decoder layer's recompute through torch's non-reentrant checkpoint.
+    PatchPoint("torch.nn.modules.module:Module.forward", SET, None,
+               "saved-activation rewrites of norms and gated MLPs, and the fused loss head of a causal LM "
+               "(activations/rewrites.py, activations/loss_head.py)"),
+    PatchPoint("transformers.modeling_layers:GradientCheckpointingLayer._gradient_checkpointing_func", SET, None,
+               "activations.recompute_layers recomputes chosen decoder layers (activations/engine_setup.py)"),
 )
 
 _BY_TARGET = {point.target: point for point in PATCH_POINTS}
@@ -399,6 +432,28 @@ def _call_of(target: str, name: str, parameters: tuple[str, ...]) -> types.CodeT
 
 # ------------------------------------------------------------------------------- the checks
 
+def set_state(obj, name: str, value, *, owner: str, holder: str | None = None) -> None:
+    """`obj.name = value`, for state declared as SET on `holder` ("module:Class", the class whose code
+    reads or writes it; None: the most derived class of `obj` that declares it). State is set again
+    and again (each step, each rewrite), so it is recorded once per target and owner."""
+    if holder is None:
+        point = _point_on_object(obj, name, SET)
+    else:
+        point = _declared(f"{holder}.{name}", SET, f"{owner} sets {name}")
+    setattr(obj, name, value)
+    if not any(patch.target == point.target and patch.owner == owner for patch in _applied):
+        _record(point, obj, owner)
+
+
+def clear_state(obj, name: str, *, owner: str, holder: str | None = None) -> None:
+    """Undo `set_state` on `obj`: its class's attribute applies again (a rewritten forward)."""
+    if holder is None:
+        _point_on_object(obj, name, SET)
+    else:
+        _declared(f"{holder}.{name}", SET, f"{owner} clears {name}")
+    vars(obj).pop(name, None)
+
+
 def resolve_target(target: str):
     """The object a declared target ("module:Class.attribute") names in the installed packages."""
     import importlib
@@ -434,11 +489,14 @@ def deepspeed_internals_problems() -> list[str]:
         if not _library_installed(point.target):
             continue  # a trainer's rule, routed only where that library is installed
         try:
-            value = resolve_target(point.target)
+            value = resolve_target(point.target.rpartition(".")[0] if point.kind == SET else point.target)
         except (ImportError, AttributeError) as error:
             problems.append(f"{point.target}: missing in DeepSpeed {deepspeed.__version__} ({error})")
             continue
-        if point.kind == EXTEND:
+        if point.kind == SET:
+            if not state_is_used(point):
+                problems.append(f"{point.target}: {point.attribute} no longer appears in that class")
+        elif point.kind == EXTEND:
             if not isinstance(value, list):
                 problems.append(f"{point.target}: not a list in DeepSpeed {deepspeed.__version__}")
         elif not callable(value):
@@ -447,6 +505,12 @@ def deepspeed_internals_problems() -> list[str]:
             problems.append(f"{point.target}: takes {original_parameters(value)} in DeepSpeed "
                             f"{deepspeed.__version__}; lazyzero expects {point.parameters_in(deepspeed.__version__)}")
     return problems
+
+
+def state_is_used(point: PatchPoint) -> bool:
+    """Whether the source of the class a SET point names still reads or writes its attribute."""
+    source = inspect.getsource(resolve_target(point.target.rpartition(".")[0]))
+    return re.search(rf"\.{re.escape(point.attribute)}\b", source) is not None
 
 
 def _library_installed(target: str) -> bool:

@@ -20,6 +20,8 @@ LAYER = {**{name: 0 for name in FOUNDATION}, **{name: 1 for name in CAPABILITIES
 
 def top_package(module: str) -> str | None:
     parts = module.split(".")
+    if parts[:1] == ["lazyzero"] and len(parts) > 2 and parts[1] in CAPABILITIES and parts[2] == "config":
+        return "config"  # a capability's section module is part of the foundation `config` (section_module)
     return parts[1] if parts[0] == "lazyzero" and len(parts) > 1 else ("__init__" if module == "lazyzero" else None)
 
 
@@ -52,7 +54,16 @@ def _is_module(name: str) -> bool:
 
 def package_of(path: Path) -> str:
     relative = path.relative_to(PACKAGE)
+    if section_module(relative):
+        return "config"
     return relative.parts[0] if len(relative.parts) > 1 else relative.stem
+
+
+def section_module(relative: Path) -> bool:
+    """`<capability>/config.py`: the capability's config section and its checks, which `lazyzero.config`
+    composes into `LazyZeroConfig`; it sits on the foundation layer with config/ and imports only from there
+    (docs/architecture.md, "The layering rule")."""
+    return len(relative.parts) == 2 and relative.parts[0] in CAPABILITIES and relative.parts[1] == "config.py"
 
 
 def import_graph() -> dict[str, dict[str, set[str]]]:
@@ -101,6 +112,8 @@ def test_capability_packages_import_each_other_without_cycles():
     ("lazyzero/plan/profile/x.py", "from ...engine import initialize", {"engine"}),
     ("lazyzero/plan/x.py", "from lazyzero import testing, config", {"testing", "config"}),
     ("lazyzero/plan/x.py", "from lazyzero import __version__", {"__init__"}),
+    ("lazyzero/config/x.py", "from lazyzero.gradients.config import GradientsConfig", {"config"}),
+    ("lazyzero/config/x.py", "from lazyzero.gradients.exchange import GradientExchange", {"gradients"}),
 ])
 def test_the_checker_sees_every_form_of_import(tmp_path, monkeypatch, source, text, expected):
     """The test above can fail: each import form is found."""
@@ -112,6 +125,12 @@ def test_the_checker_sees_every_form_of_import(tmp_path, monkeypatch, source, te
         (root / name).mkdir(parents=True, exist_ok=True) if "." not in name else (root / name).touch()
     monkeypatch.setattr(f"{__name__}.PACKAGE", root)
     assert imports_of(path) - {"plan"} == expected
+
+
+def test_a_capability_section_module_is_foundation():
+    """The one exception to "a package is its top folder": `gradients/config.py` counts as `config`."""
+    assert package_of(PACKAGE / "gradients" / "config.py") == "config"
+    assert package_of(PACKAGE / "gradients" / "exchange.py") == "gradients"
 
 
 def test_the_engine_names_no_capability():

@@ -7,18 +7,27 @@ bytes in an `ActivationAccounting`; `pipeline_stage_bits` is AGoQ's rule for pip
 them back ahead of their backward (docs/plan.md).
 """
 
-from lazyzero.activations.accounting import ActivationAccounting, SavedBytes
-from lazyzero.activations.offload import ActivationOffloader, OffloadedStorage
-from lazyzero.activations.offload_io import AioSettings
-from lazyzero.activations.packing import ActivationPacker, PackedView
-from lazyzero.activations.policy import (
-    ActivationPolicy,
-    ModuleBits,
-    classify_module,
-    is_decoder_layer,
-    layer_index,
-)
-from lazyzero.activations.stages import one_f_one_b_in_flight, pipeline_stage_bits
+from importlib import import_module
+
+# Resolved on first use, so that importing `lazyzero.activations.config` (composed by `lazyzero.config`,
+# which imports neither torch nor DeepSpeed) does not import the hooks and torch with it.
+_HOMES = {
+    **dict.fromkeys(('ActivationAccounting', 'SavedBytes'), "accounting"),
+    **dict.fromkeys(('ActivationOffloader', 'OffloadedStorage'), "offload"),
+    **dict.fromkeys(('AioSettings',), "offload_io"),
+    **dict.fromkeys(('ActivationPacker', 'PackedView'), "packing"),
+    **dict.fromkeys(('ActivationPolicy', 'ModuleBits', 'classify_module', 'is_decoder_layer', 'layer_index'), "policy"),
+    **dict.fromkeys(('one_f_one_b_in_flight', 'pipeline_stage_bits'), "stages"),
+}
+
+
+def __getattr__(name: str):
+    if name not in _HOMES:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(import_module(f"{__name__}.{_HOMES[name]}"), name)
+    globals()[name] = value
+    return value
+
 
 __all__ = [
     "ActivationAccounting",

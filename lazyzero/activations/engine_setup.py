@@ -13,9 +13,10 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from lazyzero.activations import ActivationAccounting, ActivationPacker, ActivationPolicy, SavedBytes
+from lazyzero.activations.config import ActivationsConfig
 from lazyzero.activations.offload_io import AioSettings
 from lazyzero.activations.policy import decoder_layers
-from lazyzero.config.models import ActivationsConfig
+from lazyzero.patch_point import set_state
 
 
 class ActivationMemory:
@@ -108,6 +109,8 @@ def recompute_layers(model: nn.Module, indices: list[int]) -> list[tuple[nn.Modu
                              "a transformers GradientCheckpointingLayer, which per-layer recomputation relies on")
         switched.append((layer, layer.gradient_checkpointing))
         layer.gradient_checkpointing = True
-        layer._gradient_checkpointing_func = functools.partial(checkpoint, use_reentrant=False)
+        set_state(layer, "_gradient_checkpointing_func", functools.partial(checkpoint, use_reentrant=False),
+                  owner="lazyzero.activations (recompute_layers)",
+                  holder="transformers.modeling_layers:GradientCheckpointingLayer")
     return switched
 

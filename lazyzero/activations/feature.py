@@ -5,9 +5,8 @@ from __future__ import annotations
 
 from contextlib import nullcontext
 
+from lazyzero.activations.config import ActivationsConfig
 from lazyzero.activations.engine_setup import ActivationMemory
-from lazyzero.config.models import ActivationsConfig
-from lazyzero.config.plan_checks import PLANNED_FIELDS
 from lazyzero.feature import Feature
 
 
@@ -31,7 +30,7 @@ class ActivationsFeature(Feature):
         self.close(engine)
         # The user's own settings (block size, rounding, attention and norm widths) stay.
         kept = {name: value for name, value in self.config.activations.model_dump().items()
-                if name not in PLANNED_FIELDS["activations"]}
+                if name not in ActivationsConfig.planned_fields}
         self.config.activations = ActivationsConfig(**{**kept, **(settings or {})})
         self.attach(engine)
 

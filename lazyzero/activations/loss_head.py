@@ -22,6 +22,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from lazyzero.patch_point import clear_state, set_state
+
+_OWNER = "lazyzero.activations (fused loss head)"
+# A forward set on the instance: nn.Module.__call__ runs `self.forward` (patch_point.py, SET).
+_MODULE = "torch.nn.modules.module:Module"
+
 IGNORE_INDEX = -100  # transformers' label for positions that are not predicted
 CHUNK_ELEMENTS = 1 << 23  # fp32 logits per softmax chunk: 32 MB, whatever the vocabulary
 GRAD_CHUNK_ELEMENTS = 1 << 26  # logits' gradients (model dtype) per matmul: 128 MB in bf16
@@ -149,14 +155,14 @@ def install_fused_loss(model: nn.Module) -> bool:
         rest = {key: value for key, value in outputs.items() if key != "last_hidden_state"}  # cache, hidden states...
         return CausalLMOutputWithPast(loss=loss, logits=None, **rest)
 
-    head.forward = head_forward
-    model.forward = forward
+    set_state(head, "forward", head_forward, owner=_OWNER, holder=_MODULE)
+    set_state(model, "forward", forward, owner=_OWNER, holder=_MODULE)
     return True
 
 
 def remove_fused_loss(model: nn.Module) -> None:
     """Undo `install_fused_loss` (the classes' forwards apply again)."""
-    model.__dict__.pop("forward", None)
+    clear_state(model, "forward", owner=_OWNER, holder=_MODULE)
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if head is not None:
-        head.__dict__.pop("forward", None)
+        clear_state(head, "forward", owner=_OWNER, holder=_MODULE)

@@ -46,9 +46,9 @@ from typing import Callable, Literal
 import torch
 from torch import nn
 
+from lazyzero.activations.config import ActivationsConfig
 from lazyzero.activations.offload_io import AioSettings, FileTransfer, NvmeStore, round_up
 from lazyzero.activations.policy import KEEP_BITS, decoder_layers
-from lazyzero.config.models import ActivationsConfig
 from lazyzero.ops.quant import BlockQuantized, dequantize_blockwise
 
 Tier = Literal["cpu", "nvme"]

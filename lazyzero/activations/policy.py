@@ -46,7 +46,7 @@ from typing import Literal, Mapping
 
 from torch import nn
 
-from lazyzero.config.models import ActivationsConfig
+from lazyzero.activations.config import ActivationsConfig
 
 ModuleKind = Literal["attention", "mlp", "norm", "head", "other"]
 KEEP_BITS = 16

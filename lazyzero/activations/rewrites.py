@@ -26,6 +26,11 @@ import torch
 from torch import nn
 
 from lazyzero.activations.stored import PackedView, unpack_saved
+from lazyzero.patch_point import clear_state, set_state
+
+_OWNER = "lazyzero.activations (saved-activation rewrites)"
+# A forward set on the instance: nn.Module.__call__ runs `self.forward` (patch_point.py, SET).
+_MODULE = "torch.nn.modules.module:Module"
 
 GATED_MLP_PARTS = ("gate_proj", "up_proj", "down_proj", "act_fn")
 
@@ -193,7 +198,7 @@ def recompute_from_input(module: nn.Module, packer) -> None:
             packer.derive(output, rebuild, x)
         return output
 
-    module.forward = forward
+    set_state(module, "forward", forward, owner=_OWNER, holder=_MODULE)
 
 
 def _zero3_partitioned(module: nn.Module) -> bool:
@@ -267,9 +272,9 @@ def derive_gated_product(module: nn.Module, packer) -> None:
         del gate, up
         return module.down_proj(product)
 
-    module.forward = forward
+    set_state(module, "forward", forward, owner=_OWNER, holder=_MODULE)
 
 
 def restore_forward(module: nn.Module) -> None:
     """Undo a rewrite above (the class's forward applies again)."""
-    module.__dict__.pop("forward", None)
+    clear_state(module, "forward", owner=_OWNER, holder=_MODULE)

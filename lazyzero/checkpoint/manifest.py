@@ -37,7 +37,7 @@ from lazyzero.checkpoint.manifest_schema import MANIFEST_FORMAT, ManifestBody, s
 # About 150 bytes a file: room for hundreds of thousands of files, and no reading of a file sized to
 # exhaust memory.
 MANIFEST_MAX_BYTES = 64 << 20
-# What `on_damaged_latest` may say (lazyzero/config/models.py, CheckpointConfig).
+# What `on_damaged_latest` may say (lazyzero/checkpoint/config.py, CheckpointConfig).
 STOP, FALL_BACK = "stop", "fall_back"
 
 

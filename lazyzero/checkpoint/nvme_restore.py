@@ -25,8 +25,10 @@ from __future__ import annotations
 
 import torch
 from deepspeed import comm as dist
-from deepspeed.checkpoint.constants import FP32_FLAT_GROUPS, LOSS_SCALER, OPTIMIZER_STATE_DICT
+from deepspeed.checkpoint.constants import FP32_FLAT_GROUPS, OPTIMIZER_STATE_DICT
 from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+from lazyzero.optimizer.zero3_reshard import restore_loss_scaler
 
 
 def restore_nvme_offloaded_state(engine, load_dir: str, tag: str) -> None:
@@ -43,9 +45,7 @@ def restore_nvme_offloaded_state(engine, load_dir: str, tag: str) -> None:
     # sub_group_size) would put one layer's state into another's.
     check_checkpoint_tiers(zero_optimizer, saved[FP32_FLAT_GROUPS])
     zero_optimizer.checkpoint_event_prologue()
-    zero_optimizer.loss_scaler = saved[LOSS_SCALER]
-    zero_optimizer.dynamic_loss_scale = saved["dynamic_loss_scale"]
-    zero_optimizer.overflow = saved["overflow"]
+    restore_loss_scaler(zero_optimizer, saved, owner="lazyzero.checkpoint (NVMe-offloaded resume)")
     _load_torch_optimizer_state(zero_optimizer, saved[OPTIMIZER_STATE_DICT])
     # The moments now in `optimizer.state` are new tensors; the swapper must forget the old ones.
     zero_optimizer.optimizer_swapper.purge_state()

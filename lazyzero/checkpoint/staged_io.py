@@ -24,8 +24,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import numpy as np
 
 from lazyzero.checkpoint import durable_io
+from lazyzero.checkpoint.config import STAGING_BLOCK_BYTES
 from lazyzero.checkpoint.snapshot import BufferBudget, HostBufferLimitError
-from lazyzero.config.models import STAGING_BLOCK_BYTES
 
 BLOCK_BYTES = STAGING_BLOCK_BYTES  # large sequential writes; small enough that a file's tail wastes little
 DIRECT_ALIGNMENT = 4096  # offset, length and address alignment accepted by O_DIRECT on common devices

@@ -5,24 +5,18 @@ that lazyzero relies on. Read-only: they look at the file system but never creat
 
 from __future__ import annotations
 
-import os
 from typing import Any, Optional
 
-from lazyzero.config.async_io import async_io_problems
+from lazyzero.activations.config import activations_problems
+from lazyzero.checkpoint.config import checkpoint_problems
 from lazyzero.config.errors import Problem
+from lazyzero.config.folders import WRITABLE_DIRECTORY, nvme_folder_problems
 from lazyzero.config.models import LazyZeroConfig
-from lazyzero.config.optimizer_swap import (
-    PARTITIONED_BUFFER_COUNT,
-    PIPELINED_OPERATIONS_IN_FLIGHT,
-    is_pipelined,
-    pipelined_buffer_count,
-)
 from lazyzero.config.plan_checks import plan_problems
+from lazyzero.gradients.config import gradients_problems
+from lazyzero.optimizer.config import optimizer_problems
 
-WRITABLE_DIRECTORY = "an existing directory this process can write to"
 ZERO_STAGES = (0, 1, 2, 3)
-# DeepSpeed compares optimizer names lowercased (deepspeed/runtime/config.py).
-ADAM_FAMILY = ("adam", "adamw")
 OFFLOAD_SECTIONS = ("offload_param", "offload_optimizer")
 
 
@@ -48,11 +42,11 @@ def lazyzero_against_deepspeed_problems(config: LazyZeroConfig, ds_config: dict,
     """Options of the "lazyzero" section that contradict DeepSpeed's, or this machine."""
     problems = []
     if config.plan.nvme_path is not None:
-        problems += _nvme_folder_problems("lazyzero.plan.nvme_path", config.plan.nvme_path)
-    problems += _optimizer_conflicts(config, ds_config)
-    problems += _gradient_conflicts(config, ds_config, world_size)
-    problems += _activation_conflicts(config, ds_config)
-    problems += _checkpoint_conflicts(config, ds_config)
+        problems += nvme_folder_problems("lazyzero.plan.nvme_path", config.plan.nvme_path)
+    problems += optimizer_problems(config.optimizer, ds_config)
+    problems += gradients_problems(config.gradients, ds_config, world_size)
+    problems += activations_problems(config.activations, ds_config)
+    problems += checkpoint_problems(config.checkpoint, ds_config)
     problems += plan_problems(config, ds_config)
     return problems
 
@@ -75,168 +69,4 @@ def _offload_problems(path: str, offload: Any) -> list[Problem]:
         return []
     if offload.get("nvme_path") is None:
         return [Problem.missing(f"{path}.nvme_path", f"{WRITABLE_DIRECTORY} when {path}.device is 'nvme'")]
-    return _nvme_folder_problems(f"{path}.nvme_path", offload["nvme_path"])
-
-
-def _nvme_folder_problems(path: str, directory: Any) -> list[Problem]:
-    """A folder the run swaps to: writable (`_directory_problems`), on a machine where DeepSpeed's
-    async_io loads (`lazyzero/config/async_io.py`)."""
-    return _directory_problems(path, directory) or async_io_problems(path)
-
-
-def _directory_problems(path: str, directory: Any) -> list[Problem]:
-    """Empty if `directory` exists, is a directory and is writable; checked without creating anything."""
-    if not isinstance(directory, str) or not directory:
-        return [Problem.bad_value(path, directory, WRITABLE_DIRECTORY)]
-    if not os.path.exists(directory):
-        reason = "it does not exist; lazyzero does not create it"
-    elif not os.path.isdir(directory):
-        reason = "it is not a directory"
-    elif not os.access(directory, os.W_OK | os.X_OK):
-        reason = "this process may not write to it"
-    else:
-        return []
-    return [Problem.bad_value(path, directory, f"{WRITABLE_DIRECTORY} ({reason})")]
-
-
-def _optimizer_conflicts(config: LazyZeroConfig, ds_config: dict) -> list[Problem]:
-    if not config.optimizer.enabled:
-        return []
-    problems = [Problem.conflict("lazyzero.optimizer.enabled", True, f"false while {setting} is {value}", why)
-                for setting, value, why in _eight_bit_state_blockers(ds_config)]
-    problems += _pipelined_swap_buffer_problems(ds_config)
-    ds_optimizer = ds_config.get("optimizer")
-    if not isinstance(ds_optimizer, dict) or "type" not in ds_optimizer:
-        # Without an "optimizer" section the optimizer comes from code; the engine checks it there.
-        return problems
-    ds_type = ds_optimizer["type"]
-    if not (isinstance(ds_type, str) and ds_type.lower() in ADAM_FAMILY):
-        problems.append(Problem.conflict(
-            "lazyzero.optimizer.enabled", True, "false unless optimizer.type is Adam or AdamW",
-            f"optimizer.type is {ds_type!r}; the 8-bit optimizers replace Adam or AdamW and take their "
-            "hyper-parameters"))
-    return problems
-
-
-def _pipelined_swap_buffer_problems(ds_config: dict) -> list[Problem]:
-    """The pipelined swapper holds up to three operations of four buffers each
-    (lazyzero/config/optimizer_swap.py); too few stop the first step with an assertion."""
-    zero = ds_config.get("zero_optimization")
-    offload = zero.get("offload_optimizer") if isinstance(zero, dict) else None
-    if not (isinstance(offload, dict) and offload.get("device") == "nvme" and is_pipelined(offload)):
-        return []
-    count, needed = offload.get("buffer_count", PARTITIONED_BUFFER_COUNT), pipelined_buffer_count()
-    if not isinstance(count, int) or count >= needed:
-        return []
-    return [Problem.conflict(
-        "zero_optimization.offload_optimizer.buffer_count", count,
-        f"at least {needed} while pipeline_read or pipeline_write is true and lazyzero.optimizer is enabled",
-        f"up to {PIPELINED_OPERATIONS_IN_FLIGHT} swap operations are in flight, each holding a sub-group's fp32 "
-        "master, its gradient and its moments (fp32, or 8-bit packed in one buffer)")]
-
-
-def _eight_bit_state_blockers(ds_config: dict) -> list[tuple[str, str, str]]:
-    """DeepSpeed settings that would move or reshape optimizer states as fp32 tensors of the
-    partition's size, which 8-bit codes and per-block scales are not: (setting, value, why)."""
-    zero = ds_config.get("zero_optimization")
-    zero = zero if isinstance(zero, dict) else {}
-    blockers = []
-    if zero.get("elastic_checkpoint") is True:
-        blockers.append(("zero_optimization.elastic_checkpoint", "true",
-                         "elastic checkpoints re-split optimizer states as fp32 partition slices; 8-bit states are "
-                         "saved per rank and reload on the same number of ranks"))
-    checkpoint = ds_config.get("checkpoint")
-    if isinstance(checkpoint, dict) and checkpoint.get("load_universal") is True:
-        blockers.append(("checkpoint.load_universal", "true",
-                         "universal checkpoints hold fp32 exp_avg/exp_avg_sq per parameter, not 8-bit states"))
-    return blockers
-
-
-def _gradient_conflicts(config: LazyZeroConfig, ds_config: dict, world_size: Optional[int]) -> list[Problem]:
-    problems = []
-    zero = ds_config.get("zero_optimization")
-    if config.gradients.enabled and isinstance(zero, dict) and zero.get("zero_quantized_gradients") is True:
-        problems.append(Problem.conflict(
-            "lazyzero.gradients.enabled", True, "false while zero_optimization.zero_quantized_gradients is true",
-            "ZeRO++ qgZ would quantize the same gradients a second time"))
-    stage = zero.get("stage", 0) if isinstance(zero, dict) else 0
-    if (config.gradients.enabled and stage in (1, 2)
-            and isinstance(zero, dict) and zero.get("contiguous_gradients", True) is False):
-        problems.append(Problem.conflict(
-            "lazyzero.gradients.enabled", True,
-            "false while zero_optimization.contiguous_gradients is false on stage 1 or 2",
-            "without a contiguous bucket DeepSpeed reduces in full precision through a path int8 does not replace"))
-    if config.gradients.error_feedback and not config.gradients.enabled:
-        problems.append(Problem.bad_value(
-            "lazyzero.gradients.error_feedback", True,
-            "false while lazyzero.gradients.enabled is false (it carries the int8 rounding error)"))
-    ranks_per_node = config.gradients.ranks_per_node
-    if ranks_per_node is not None and world_size is not None and world_size % ranks_per_node:
-        problems.append(Problem.bad_value(
-            "lazyzero.gradients.ranks_per_node", ranks_per_node,
-            f"a divisor of the world size {world_size} (the two-hop layout needs whole nodes)"))
-    return problems
-
-
-def _activation_conflicts(config: LazyZeroConfig, ds_config: dict) -> list[Problem]:
-    problems = _activation_offload_problems(config.activations)
-    checkpointing = ds_config.get("activation_checkpointing")
-    if not config.activations.enabled or not isinstance(checkpointing, dict):
-        return problems
-    if checkpointing.get("cpu_checkpointing") is not True:
-        return problems
-    return problems + [Problem.conflict(
-        "activation_checkpointing.cpu_checkpointing", True, "false while lazyzero.activations.enabled is true",
-        "lazyzero's hooks already decide where saved activations live, and DeepSpeed's CPU "
-        "checkpointing breaks backward on the CPU accelerator")]
-
-
-# lazyzero.ops.quant_reference.MAX_OUTLIER_BLOCK (an outlier's index in its block is one byte); repeated here
-# because validating a config imports neither torch nor deepspeed (tests/config/test_config.py checks both).
-MAX_OUTLIER_BLOCK = 256
-
-
-def _activation_offload_problems(activations) -> list[Problem]:
-    """`offload_layers` against the rest of the section, and its NVMe folder (docs/reliability.md, what is tested)."""
-    path = "lazyzero.activations"
-    offload = activations.offload_layers
-    problems = []
-    if offload and not activations.enabled:
-        problems.append(Problem.bad_value(
-            f"{path}.offload_layers", offload,
-            f"{{}} while {path}.enabled is false (the offload moves what the activation hooks store)"))
-    recomputed = sorted(set(offload) & set(activations.recompute_layers))
-    if recomputed:
-        problems.append(Problem.bad_value(
-            f"{path}.offload_layers", offload,
-            f"layers that are not in {path}.recompute_layers (a recomputed layer keeps only its input, for the "
-            f"recompute); layers {recomputed} are in both"))
-    if "nvme" in offload.values() and activations.offload_nvme_path is None:
-        problems.append(Problem.missing(f"{path}.offload_nvme_path",
-                                        f"{WRITABLE_DIRECTORY} when a layer of {path}.offload_layers is 'nvme'"))
-    if activations.offload_nvme_path is not None:
-        problems += (_nvme_folder_problems if "nvme" in offload.values() else _directory_problems)(
-            f"{path}.offload_nvme_path", activations.offload_nvme_path)
-    if activations.keep_outliers and activations.block_size > MAX_OUTLIER_BLOCK:
-        problems.append(Problem.bad_value(
-            f"{path}.block_size", activations.block_size,
-            f"at most {MAX_OUTLIER_BLOCK} while {path}.keep_outliers is true (an outlier's index in its block is one "
-            "byte); or set keep_outliers to false"))
-    return problems
-
-
-def _checkpoint_conflicts(config: LazyZeroConfig, ds_config: dict) -> list[Problem]:
-    ds_checkpoint = ds_config.get("checkpoint")
-    if not config.checkpoint.enabled or not isinstance(ds_checkpoint, dict):
-        return []
-    problems = []
-    if ds_checkpoint.get("writer") is not None:
-        problems.append(Problem.conflict(
-            "checkpoint.writer", ds_checkpoint["writer"], "absent while lazyzero.checkpoint.enabled is true",
-            "lazyzero installs its own checkpoint engine, so DeepSpeed's writer settings would be ignored"))
-    if ds_checkpoint.get("use_node_local_storage") is True:
-        problems.append(Problem.conflict(
-            "checkpoint.use_node_local_storage", True, "false while lazyzero.checkpoint.enabled is true",
-            "rank 0 commits a checkpoint by renaming one folder holding every rank's files, "
-            "so save_dir must be one shared filesystem"))
-    return problems
+    return nvme_folder_problems(f"{path}.nvme_path", offload["nvme_path"])

@@ -12,11 +12,6 @@ from __future__ import annotations
 from lazyzero.config.errors import Problem
 from lazyzero.config.models import LazyZeroConfig
 
-# Fields of the "lazyzero" sub-sections that the plan sets.
-PLANNED_FIELDS = {
-    "activations": ("enabled", "default_bits", "overrides", "recompute_layers", "offload_layers", "offload_nvme_path"),
-    "optimizer": ("enabled", "type", "fraction_8bit"),
-}
 PLANNED_OFFLOAD_SECTIONS = ("offload_param", "offload_optimizer")
 _WHY_PLANNED = "the planner sets it when lazyzero.plan.enabled is true; remove it, or switch the planner off"
 
@@ -39,10 +34,11 @@ def plan_problems(config: LazyZeroConfig, ds_config: dict) -> list[Problem]:
             "lazyzero.plan.checkpoint_every", config.plan.checkpoint_every,
             "null unless lazyzero.checkpoint.enabled is true",
             "only lazy checkpoints copy their snapshot while training runs; DeepSpeed's own save stops training"))
-    for section, fields in PLANNED_FIELDS.items():
-        given = getattr(config, section).model_fields_set
-        problems += [Problem.conflict(f"lazyzero.{section}.{name}", getattr(getattr(config, section), name),
-                                      "absent", _WHY_PLANNED) for name in fields if name in given]
+    # Each section names the fields the plan sets (`ConfigSection.planned_fields`).
+    for section in type(config).model_fields:
+        settings = getattr(config, section)
+        problems += [Problem.conflict(f"lazyzero.{section}.{name}", getattr(settings, name), "absent", _WHY_PLANNED)
+                     for name in settings.planned_fields if name in settings.model_fields_set]
     return problems + _deepspeed_problems(ds_config)
 
 

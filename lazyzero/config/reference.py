@@ -14,7 +14,6 @@ from pydantic import BaseModel
 from lazyzero._version import __version__
 from lazyzero.config.fieldtypes import describe_allowed
 from lazyzero.config.models import FEATURES, LazyZeroConfig
-from lazyzero.config.release import NOT_YET_AVAILABLE
 
 
 def config_reference_markdown() -> str:
@@ -34,11 +33,6 @@ def format_config_summary(config: LazyZeroConfig) -> str:
 
 def _section_markdown(name: str, model: type[BaseModel]) -> str:
     lines = [f"### `lazyzero.{name}`", "", _one_line(model.__doc__ or "")]
-    for key_path, (value_allowed_now, issue) in NOT_YET_AVAILABLE.items():
-        section, switch = key_path.split(".")
-        if section == name:
-            lines += ["", f"Not available in lazyzero {__version__} yet (issue {issue}): "
-                          f"`{switch}` must stay `{json.dumps(value_allowed_now)}`."]
     lines += ["", "| key | allowed values | default | description |", "|---|---|---|---|"]
     for field_name, field in model.model_fields.items():
         cells = [f"`{field_name}`", describe_allowed(field.annotation, tuple(field.metadata)),

@@ -19,7 +19,6 @@ from lazyzero.config.errors import LazyZeroConfigError, Problem
 from lazyzero.config.initialize_checks import initialize_problems
 from lazyzero.config.models import LazyZeroConfig
 from lazyzero.config.pydantic_errors import problems_from_validation_error
-from lazyzero.config.release import release_gate_problems
 
 SECTION = "lazyzero"
 
@@ -69,7 +68,7 @@ def validate_ds_config(ds_config: Union[dict, str, os.PathLike], *, world_size: 
     """The validated "lazyzero" section of `ds_config` (a dict, or a path to a JSON file).
 
     An absent section means every default, i.e. every feature off. Checks, all reported together:
-    the section's schema; features whose runtime has not landed (release gate); the section against
+    the section's schema; the section against
     the DeepSpeed settings around it; the ZeRO and offload settings lazyzero relies on (NVMe paths
     must exist and be writable); settings with which deepspeed.initialize would build what
     lazyzero.initialize does not (initialize_checks.py); with `world_size`, that the two-hop layout
@@ -87,7 +86,6 @@ def validate_ds_config(ds_config: Union[dict, str, os.PathLike], *, world_size: 
                                                                "allowed: a dict, or the path of a JSON file")])
     config, problems = _validate_section(ds_config.get(SECTION, {}))
     if config is not None:
-        problems += release_gate_problems(config)
         problems += lazyzero_against_deepspeed_problems(config, ds_config, world_size)
     problems += deepspeed_settings_problems(ds_config)
     problems += initialize_problems(config, ds_config)

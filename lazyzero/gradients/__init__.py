@@ -7,16 +7,45 @@ requantized int8 chunks. `two_hop_reduce_scatter` reduces inside nodes first, th
 of docs/reliability.md row 8 are computed from the scales (`ReduceScatterResult.error_bound`).
 """
 
-from lazyzero.gradients.error_bound import reduce_scatter_error_bound, requantization_error_bound
-from lazyzero.gradients.layout import ChunkLayout, deepspeed_chunk_length
-from lazyzero.gradients.nonfinite import any_nonfinite
-from lazyzero.gradients.quantized_all_reduce import AllReduceResult, quantized_all_reduce
-from lazyzero.gradients.quantized_reduce_scatter import (
-    ExchangeBuffers,
-    ReduceScatterResult,
-    quantized_reduce_scatter,
-)
-from lazyzero.gradients.two_hop import NodeGroups, TwoHopResult, build_node_groups, group_ranks, two_hop_reduce_scatter
+import sys
+import types
+from importlib import import_module
+
+# Resolved on first use, so that importing `lazyzero.gradients.config` (composed by `lazyzero.config`,
+# which imports neither torch nor DeepSpeed) does not import the collectives and torch with it.
+_HOMES = {
+    "reduce_scatter_error_bound": "error_bound", "requantization_error_bound": "error_bound",
+    "ChunkLayout": "layout", "deepspeed_chunk_length": "layout",
+    "any_nonfinite": "nonfinite",
+    "AllReduceResult": "quantized_all_reduce", "quantized_all_reduce": "quantized_all_reduce",
+    "ExchangeBuffers": "quantized_reduce_scatter", "ReduceScatterResult": "quantized_reduce_scatter",
+    "quantized_reduce_scatter": "quantized_reduce_scatter",
+    "NodeGroups": "two_hop", "TwoHopResult": "two_hop", "build_node_groups": "two_hop", "group_ranks": "two_hop",
+    "two_hop_reduce_scatter": "two_hop",
+}
+
+
+def __getattr__(name: str):
+    if name not in _HOMES:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(import_module(f"{__name__}.{_HOMES[name]}"), name)
+    globals()[name] = value
+    return value
+
+
+class _Package(types.ModuleType):
+    """The import system binds each submodule on its package once it is imported; two of them share
+    their name with their function (`quantized_all_reduce`, `quantized_reduce_scatter`), and on the
+    package that name means the function, as when this module imported them itself."""
+
+    def __setattr__(self, name: str, value) -> None:
+        if isinstance(value, types.ModuleType) and _HOMES.get(name) == name:
+            value = getattr(value, name)
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package
+
 
 __all__ = [
     "AllReduceResult",

@@ -25,7 +25,6 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from lazyzero.config.models import GradientsConfig
 from lazyzero.gradients import (
     ChunkLayout,
     ExchangeBuffers,
@@ -36,6 +35,7 @@ from lazyzero.gradients import (
     quantized_reduce_scatter,
     two_hop_reduce_scatter,
 )
+from lazyzero.gradients.config import GradientsConfig
 from lazyzero.gradients.error_feedback import ErrorFeedback
 
 # Strides of the (seed, step, call) triple in a call's seed: distinct triples get distinct seeds

@@ -12,10 +12,10 @@ import math
 
 from deepspeed.utils.logging import print_dist
 
-from lazyzero.config.cross_checks import ADAM_FAMILY
 from lazyzero.optimizer import Adam8bit, AdamW8bit, clipping
+from lazyzero.optimizer.config import ADAM_FAMILY
 from lazyzero.optimizer.state_policy import choose_state_precision, split_param_groups
-from lazyzero.patch_point import extend_list
+from lazyzero.patch_point import extend_list, set_state
 
 # Keys of DeepSpeed's Adam sections that pick DeepSpeed's implementation, not the mathematics.
 IMPLEMENTATION_KEYS = ("torch_adam", "adam_w_mode", "fp32_optimizer_states", "foreach", "fused", "capturable",
@@ -94,6 +94,8 @@ def stage_0_norm_and_clip(engine) -> None:
     gradients = [param.grad for param in engine.module.parameters() if param.grad is not None]
     norm = clipping.global_grad_norm(gradients, reduce=False)
     optimizer.grad_scale = clipping.grad_scale_for(norm, 1.0, engine.gradient_clipping())
-    optimizer._global_grad_norm = float(norm)
+    # The engine reads the norm from its optimizer after the step and reports it.
+    set_state(optimizer, "_global_grad_norm", float(norm), owner="lazyzero.optimizer (fused clipping)",
+              holder="deepspeed.runtime.engine:DeepSpeedEngine")
     # DeepSpeed reads `overflow` after the step: it then counts a skipped step and holds the LR.
     optimizer.overflow = not math.isfinite(optimizer.grad_scale)

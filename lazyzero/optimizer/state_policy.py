@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from lazyzero.config.models import OptimizerConfig
+from lazyzero.optimizer.config import OptimizerConfig
 
 
 @dataclass

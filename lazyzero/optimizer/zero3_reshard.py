@@ -33,6 +33,7 @@ from deepspeed.checkpoint.constants import FP32_FLAT_GROUPS, LOSS_SCALER, OPTIMI
 
 from lazyzero.optimizer.adam8bit_optimizer import CODE_KEYS, EIGHT_BIT_KEYS, FP32_KEYS, decode_moments, encode_moments
 from lazyzero.optimizer.nvme_swap import PACKED_FILE_SUFFIX, PackedLayout
+from lazyzero.patch_point import set_state
 from lazyzero.safe_load import load_checkpoint_file, pickle_allowed
 
 EIGHT_BIT_MOMENTS = ("m", "sqrt_v")
@@ -206,6 +207,15 @@ def _decode_range(source: dict, block_size: int, numel: int, low: int, high: int
     return m[low - begin:high - begin], sqrt_v[low - begin:high - begin]
 
 
+def restore_loss_scaler(zero_optimizer, saved: dict, *, owner: str) -> None:
+    """Set the ZeRO-3 optimizer's loss scaler, its dynamic flag and the overflow of the last step from
+    `saved` (a rank's optimizer state dict), as DeepSpeed's `_rigid_load_state_dict` does, for a resume
+    its loader cannot do (a re-split, an NVMe-offloaded optimizer: checkpoint/nvme_restore.py)."""
+    set_state(zero_optimizer, "loss_scaler", saved[LOSS_SCALER], owner=owner)
+    set_state(zero_optimizer, "dynamic_loss_scale", saved["dynamic_loss_scale"], owner=owner)
+    set_state(zero_optimizer, "overflow", saved["overflow"], owner=owner)
+
+
 def restore(engine, files: list[str], load_dir: str, tag: str) -> None:
     """Fill this rank's fp32 master flats, moments and step counts from `files` (the saved ranks'
     optimizer files, in rank order), then DeepSpeed's bit16 partitions from the master weights."""
@@ -219,8 +229,7 @@ def restore(engine, files: list[str], load_dir: str, tag: str) -> None:
     rank = dist.get_rank(group=zero.dp_process_group)
     first = saved.documents[0]
     restore_group_settings(engine.basic_optimizer, first[OPTIMIZER_STATE_DICT]["param_groups"])
-    zero.loss_scaler, zero.dynamic_loss_scale, zero.overflow = (
-        first[LOSS_SCALER], first["dynamic_loss_scale"], first["overflow"])
+    restore_loss_scaler(zero, first, owner="lazyzero.optimizer (re-split resume)")
     if zero.swap_optimizer:
         zero.optimizer_swapper.purge_state()  # the states set below are new tensors
     for sub_group, group_params in enumerate(zero.fp16_groups):

@@ -57,12 +57,14 @@ from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 from deepspeed.utils.logging import print_dist
 
 from lazyzero.config.errors import LazyZeroConfigError, Problem
-from lazyzero.patch_point import swapped
+from lazyzero.patch_point import set_state, swapped
 from lazyzero.plan.resident_gradients import ResidentGradients
 
 OPTIMIZER_DEVICE = "zero_optimization.offload_optimizer.device"
 PARAM_DEVICE = "zero_optimization.offload_param.device"
 _OWNER = "lazyzero.plan (ZeRO-3 placement)"
+# The state zero.Init keeps on itself and gives each parameter it converts (patch_point.py, SET).
+_INIT = "deepspeed.runtime.zero.partition_parameters:Init"
 
 
 @dataclass(frozen=True)
@@ -310,7 +312,7 @@ def place_partitioned_parameters(module, nvme_ids: set[int], offload_param_confi
         return
     swapper = _parameter_swapper(partitioned[0].dtype, offload_param_config, aio_config)
     for param in partitioned:
-        param.nvme_swapper = swapper
+        set_state(param, "nvme_swapper", swapper, owner=_OWNER, holder=_INIT)
         if id(param) in nvme_ids and swapper.swappable_tensor(param=param):
             _partition_to_nvme(param, swapper)
 
@@ -331,7 +333,7 @@ def _partition_to_nvme(param, swapper) -> None:
     buffer = swapper.get_buffer(param, partition.ds_numel)
     buffer.copy_(partition.data)
     partition.data = buffer.data
-    partition.final_location = OffloadDeviceEnum.nvme
+    set_state(partition, "final_location", OffloadDeviceEnum.nvme, owner=_OWNER, holder=_INIT)
     swapper.swap_out_and_release([param])
 
 
@@ -350,11 +352,11 @@ def _parameters_partitioned_by_placement(nvme_ids: Optional[set[int]]) -> Iterat
         if not first_time or init.remote_device != OffloadDeviceEnum.nvme or id(param) in nvme_ids:
             return original(init, param, *args, **kwargs)
         remote_device = init.remote_device
-        init.remote_device = OffloadDeviceEnum.cpu
+        set_state(init, "remote_device", OffloadDeviceEnum.cpu, owner=_OWNER)
         try:
             return original(init, param, *args, **kwargs)
         finally:
-            init.remote_device = remote_device
+            set_state(init, "remote_device", remote_device, owner=_OWNER)
 
     with swapped(Init, "_partition_param", partition_param, owner=_OWNER):
         yield

@@ -6,12 +6,12 @@ import pytest
 import torch
 from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo
 
+from lazyzero.checkpoint.config import CheckpointConfig
 from lazyzero.checkpoint.folder_layout import read_latest
 from lazyzero.checkpoint.lazy_engine import LazyCheckpointEngine
 from lazyzero.checkpoint.manifest import verify_checkpoint
 from lazyzero.checkpoint.snapshot import HostBufferLimitError
 from lazyzero.checkpoint.staged_io import BLOCK_BYTES
-from lazyzero.config.models import CheckpointConfig
 
 
 def _engine(on_cuda=False, **config) -> LazyCheckpointEngine:

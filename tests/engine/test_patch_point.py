@@ -26,11 +26,13 @@ from lazyzero.patch_point import (
     REDIRECT,
     REPLACE,
     ROUTE,
+    SET,
     SWAP,
     TESTED_DEEPSPEED,
     WRAP,
     PatchRefused,
     applied_patches,
+    clear_state,
     deepspeed_internals_problems,
     extend_list,
     original_callable,
@@ -39,6 +41,8 @@ from lazyzero.patch_point import (
     redirect_function,
     replace_method,
     resolve_target,
+    set_state,
+    state_is_used,
     swapped,
     unredirect_function,
     wrap_method,
@@ -48,10 +52,9 @@ from lazyzero.plan.zero_placement import TieredZeroOptimizer_Stage3
 PACKAGE = Path(__file__).resolve().parents[2] / "lazyzero"
 DOOR = PACKAGE / "patch_point.py"
 DOORS = {"replace_method": REPLACE, "wrap_method": WRAP, "swapped": SWAP, "extend_list": EXTEND,
-         "route_function": ROUTE, "redirect_function": REDIRECT}
+         "route_function": ROUTE, "redirect_function": REDIRECT, "set_state": SET}
 # Assignments the checker below cannot tell from DeepSpeed's: (file, attribute) -> whose object it is.
-NOT_DEEPSPEED = {("lazyzero/activations/rewrites.py", "forward"): "the user's model modules' forward",
-                 ("lazyzero/activations/loss_head.py", "forward"): "the user's causal LM's and its head's forward"}
+NOT_DEEPSPEED: dict[tuple[str, str], str] = {}
 LIST_CHANGES = {"append", "extend", "insert", "remove", "pop", "clear"}
 
 
@@ -65,6 +68,9 @@ def bare(cls):
 @pytest.mark.parametrize("point", PATCH_POINTS, ids=lambda point: point.target)
 def test_each_declared_attribute_exists_in_the_installed_deepspeed_as_declared(point):
     pytest.importorskip(point.target.partition(".")[0].partition(":")[0])  # a trainer's, where it is installed
+    if point.kind == SET:
+        assert point.parameters is None and state_is_used(point)
+        return
     value = resolve_target(point.target)
     if point.kind == EXTEND:
         assert isinstance(value, list) and point.parameters is None
@@ -219,6 +225,25 @@ def test_extend_appends_once_and_records_once():
             "deepspeed.runtime.zero.utils:ZERO_SUPPORTED_OPTIMIZERS"]
     finally:
         utils.ZERO_SUPPORTED_OPTIMIZERS.remove(Untested)
+
+
+def test_set_assigns_declared_state_records_it_once_and_refuses_the_undeclared():
+    zero = bare(DeepSpeedZeroOptimizer_Stage3)
+    before = len(applied_patches())
+    set_state(zero, "overflow", True, owner="test set")
+    set_state(zero, "overflow", False, owner="test set")
+    assert zero.overflow is False
+    assert [patch.target for patch in applied_patches()[before:]] == [
+        "deepspeed.runtime.zero.stage3:DeepSpeedZeroOptimizer_Stage3.overflow"]
+    module = torch.nn.Linear(1, 1)
+    set_state(module, "forward", lambda x: x + 1, owner="test set", holder="torch.nn.modules.module:Module")
+    assert module(torch.zeros(1)).item() == 1
+    clear_state(module, "forward", owner="test set", holder="torch.nn.modules.module:Module")
+    assert module(torch.zeros(1)).shape == (1,)
+    with pytest.raises(PatchRefused, match="not declared"):
+        set_state(module, "weight", None, owner="test set", holder="torch.nn.modules.module:Module")
+    with pytest.raises(PatchRefused, match="declares it"):
+        set_state(zero, "loss_scale_typo", 1.0, owner="test set")
 
 
 def test_redirect_reaches_names_bound_before_it_and_unredirect_gives_the_code_back(tmp_path):

@@ -2,7 +2,7 @@
 
 import torch
 
-from lazyzero.config.models import OptimizerConfig
+from lazyzero.optimizer.config import OptimizerConfig
 from lazyzero.optimizer.state_policy import choose_state_precision, split_param_groups
 
 

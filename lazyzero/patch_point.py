@@ -137,13 +137,14 @@ PATCH_POINTS: tuple[PatchPoint, ...] = (
                 "timers"),
                "8-bit optimizer states swap to NVMe packed, pipelined (optimizer/nvme_swap_pipelined.py)"),
     PatchPoint(_STAGE3, SWAP, _STAGE3_PARAMETERS,
-               "the engine builds TieredZeroOptimizer_Stage3 for a per-layer placement (plan/zero_placement.py)",
+               "the engine builds TieredZeroOptimizer_Stage3 for a per-layer placement "
+               "(plan/deepspeed/zero_placement.py)",
                # 0.19.7 also takes ZeRO++ LoCo's setting; the tiered builder hands every argument on as given.
                other_versions=(("0.19.7", _inserted_after(_STAGE3_PARAMETERS, "zero_module_granularity_threshold",
                                                           "zeropp_loco_param")),)),
     PatchPoint("deepspeed.runtime.zero.partition_parameters:Init._partition_param", SWAP,
                ("param", "buffer", "has_been_updated", "free_data"),
-               "only the placed parameters' partitions go to NVMe at conversion (plan/zero_placement.py)"),
+               "only the placed parameters' partitions go to NVMe at conversion (plan/deepspeed/zero_placement.py)"),
     # Checkpoint files read without running code, from the bytes whose hash was checked, when lazy
     # checkpoints are off and DeepSpeed's own engine loads (checkpoint/verified_read.py).
     *(PatchPoint(f"deepspeed.runtime.checkpoint_engine.{module}:{cls}.load", REPLACE, ("path", "map_location"),

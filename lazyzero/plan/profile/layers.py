@@ -33,10 +33,10 @@ from transformers.cache_utils import Cache
 from lazyzero.activations import ActivationAccounting, ActivationPacker, ActivationPolicy
 from lazyzero.activations.policy import is_decoder_layer, layer_index
 from lazyzero.config.models import ActivationsConfig
-from lazyzero.plan.problem import BIT_WIDTHS
 from lazyzero.plan.profile.data import TensorInfo
 from lazyzero.plan.profile.materialize import full_numel, materialized
 from lazyzero.plan.profile.measure import heap_sampling_available, phase_memory, synchronize
+from lazyzero.plan.solver.problem import BIT_WIDTHS
 
 IGNORE_INDEX = -100
 

@@ -19,6 +19,9 @@ import torch
 
 from lazyzero.config import LazyZeroConfig, validate_ds_config
 from lazyzero.plan.deepspeed.implied import ImpliedSetup, implied_setup
+from lazyzero.plan.profile.layers import model_sizes_of
+from lazyzero.plan.profile.materialize import held_bytes, is_partitioned
+from lazyzero.plan.profile.profiler import ProfileSettings, load_or_profile, model_config_sha256
 from lazyzero.plan.solver.problem import Plan, PlanProblem
 
 # Copy-speed tests of 64 MiB instead of the profiler's default 256 MiB: a planned run profiles inside
@@ -65,8 +68,6 @@ def problem_for_run(model: torch.nn.Module, ds_config: dict, settings, dist, act
     run them (None: the defaults)."""
     from lazyzero.plan.deepspeed.implied import calibration_ds_config
     from lazyzero.plan.deepspeed.problem_from_profile import problem_for_config, training_dtype
-    from lazyzero.plan.profile.materialize import held_bytes
-    from lazyzero.plan.profile.profiler import ProfileSettings, load_or_profile
 
     if settings.gpu_mem is not None and not torch.cuda.is_available():
         raise ValueError(f"lazyzero.plan.gpu_mem: got {settings.gpu_mem}; allowed: null on a machine without CUDA "
@@ -114,7 +115,6 @@ def cast_to_training_dtype(model: torch.nn.Module, dtype: torch.dtype) -> None:
     """DeepSpeed casts whole parameters to the training dtype when it partitions them; doing it first
     makes the profile time the layers in the dtype they will train in. A model zero.Init partitioned
     already has the dtype zero.Init gave it (its config's), which casting cannot change."""
-    from lazyzero.plan.profile.materialize import is_partitioned
 
     found = next(p.dtype for p in model.parameters() if p.is_floating_point())
     if found == dtype:
@@ -128,24 +128,10 @@ def cast_to_training_dtype(model: torch.nn.Module, dtype: torch.dtype) -> None:
     model.to(dtype)
 
 
-def model_sizes_of(model: torch.nn.Module, world_size: int):
-    """The element counts the ZeRO-3 settings are sized from, read off the model itself (whole sizes
-    of partitioned parameters)."""
-    from lazyzero.plan.deepspeed.implied import ModelSizes
-    from lazyzero.plan.profile.layers import decoder_layers
-    from lazyzero.plan.profile.materialize import full_numel
-
-    layers = list(decoder_layers(model).values())
-    return ModelSizes(largest_layer_numel=max(sum(full_numel(p) for p in layer.parameters()) for layer in layers),
-                      largest_tensor_numel=max(full_numel(p) for p in model.parameters()),
-                      tensors_per_layer=max(len(list(layer.parameters())) for layer in layers), world_size=world_size)
-
-
 def _profile_path(settings, model: torch.nn.Module) -> str:
     """`plan.profile_path`, else one file per model architecture in the user's cache folder."""
     import os
 
-    from lazyzero.plan.profile.profiler import model_config_sha256
 
     if settings.profile_path is not None:
         return settings.profile_path

@@ -294,8 +294,8 @@ def _child(request_path: str) -> None:
     with _swap_folder(request) as folder:
         config = request["ds_config"]
         if folder is not None:
-            from lazyzero.plan.deepspeed.engine_setup import model_sizes_of
             from lazyzero.plan.deepspeed.implied import nvme_calibration_ds_config
+            from lazyzero.plan.profile.layers import model_sizes_of
 
             config = nvme_calibration_ds_config(config, model_sizes_of(model, request["world_size"]), str(folder),
                                                 parameters=parameters_swappable(model))

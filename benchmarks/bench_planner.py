@@ -3,17 +3,17 @@
     python benchmarks/bench_planner.py --quick --out benchmarks/results/bench_planner.json
     python benchmarks/bench_planner.py --profile-only --out /tmp/bench_planner_profile.json   # one part alone
 
-1. `solve_s_80_layers`: the MILP on an 80-layer instance (`lazyzero.plan.instances`), with its gap.
+1. `solve_s_80_layers`: the MILP on an 80-layer instance (`lazyzero.plan.solver.instances`), with its gap.
 2. One model whose full training state does not fit the budget (a 103M-parameter Llama in bf16 on 2
    CPU ranks, ZeRO-3) is trained three times by `lazyzero train`, each under the same per-rank budget
-   and allocator settings (`lazyzero.plan.host_memory`):
+   and allocator settings (`lazyzero.plan.deepspeed.host_memory`):
    - lazyzero's plan (`"plan": {"enabled": true}`: profiled at start, solved, applied, compared with
      what the run measures after 3 steps and planned again if off by more than 15%);
    - LazyTrain's fixed rule (every 4th layer keeps its activations, offloaded, the others recompute;
      parameters and fp32 optimizer state offloaded: to NVMe on this machine, which has no other tier);
    - DeepSpeed's default ZeRO-Infinity offload (parameters and fp32 optimizer state on NVMe, nothing
      recomputed), plain DeepSpeed settings and no lazyzero feature.
-   The baselines' configs are what `lazyzero.plan.implied` makes of `fixed_rule_plan` and
+   The baselines' configs are what `lazyzero.plan.deepspeed.implied` makes of `fixed_rule_plan` and
    `deepspeed_default_plan` for the planned run's own problem (same profile, same budget).
    The three are trained in ROUNDS rounds (2 with --quick), each round in another order, so that a
    slow spell of the machine or its disk (20-30% drift within minutes here) falls on every config
@@ -82,7 +82,7 @@ PLANNED_STEADY_FROM = 9
 # mixed-precision Adam's (bf16 parameters and gradients, fp32 master and two moments: 16 bytes per
 # parameter), whatever formats the plan chose.
 LARGER_STEPS, LARGER_SEQ_LEN, MIXED_PRECISION_ADAM_BYTES = 6, 64, 16
-# The allocator settings lazyzero applies for a planned run (lazyzero/plan/host_memory.py), given
+# The allocator settings lazyzero applies for a planned run (lazyzero/plan/deepspeed/host_memory.py), given
 # to every run so that the baselines are measured with the same allocator.
 ALLOCATOR_ENV = {"MALLOC_MMAP_THRESHOLD_": "262144", "MALLOC_TRIM_THRESHOLD_": "1048576", "MALLOC_ARENA_MAX": "2"}
 
@@ -145,8 +145,8 @@ def baseline_configs(work: Path, nvme: Path) -> dict[str, dict]:
     into `nvme`/<its name>."""
     from lazyzero.config import PlanConfig
     from lazyzero.plan import deepspeed_default_plan, fixed_rule_plan
-    from lazyzero.plan.implied import implied_setup
-    from lazyzero.plan.problem_from_profile import problem_for_config
+    from lazyzero.plan.deepspeed.implied import implied_setup
+    from lazyzero.plan.deepspeed.problem_from_profile import problem_for_config
     from lazyzero.plan.profile.profiler import read_profile
     from lazyzero.plan.report import FIXED_RULE_K
 
@@ -210,7 +210,7 @@ def compared_step_s(rounds: list[dict[str, list[dict]]]) -> tuple[dict[str, floa
 def solve_80_layers() -> dict:
     """The 80-layer instance as written, and with DeepSpeed's all-or-none offload rule."""
     from lazyzero.plan import solve
-    from lazyzero.plan.instances import llama_like_80_layers
+    from lazyzero.plan.solver.instances import llama_like_80_layers
 
     results = {}
     for suffix, all_or_none in (("", False), ("_all_or_none", True)):
@@ -279,7 +279,7 @@ def engine_name(run) -> str:
 
 def priced_speeds(printed: str) -> dict[str, float]:
     """The NVMe speeds the first plan was priced at (the plan table's "copy speeds priced" line: the one
-    speed the NVMe calibration engine measured, lazyzero/plan/calibrate.py), bytes per second."""
+    speed the NVMe calibration engine measured, lazyzero/plan/deepspeed/calibrate.py), bytes per second."""
     line = next(line for line in printed.splitlines() if "copy speeds priced:" in line)
     return {name: float(value) * 1e9 for name, value in re.findall(r"(nvme_\w+) ([0-9.]+) GB/s", line)}
 

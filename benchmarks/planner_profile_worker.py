@@ -17,8 +17,13 @@ import deepspeed
 import torch
 
 from lazyzero.models import build_model
-from lazyzero.plan.engine_setup import PROFILE_COPY_BYTES
-from lazyzero.plan.host_memory import bound_host_heap, peak_resident_bytes, reset_peak_resident, resident_bytes
+from lazyzero.plan.deepspeed.engine_setup import PROFILE_COPY_BYTES
+from lazyzero.plan.deepspeed.host_memory import (
+    bound_host_heap,
+    peak_resident_bytes,
+    reset_peak_resident,
+    resident_bytes,
+)
 from lazyzero.plan.profile import profiler
 from lazyzero.plan.profile.materialize import full_numel
 from lazyzero.plan.profile.profiler import ProfileSettings, profile_model
@@ -48,7 +53,7 @@ def phase_peaks(before: int) -> dict:
 
 def main() -> None:
     model_path, out, seq_len, micro_batch = worker_args()
-    bound_host_heap()  # as a planned run profiles (lazyzero/plan/engine_setup.py)
+    bound_host_heap()  # as a planned run profiles (lazyzero/plan/deepspeed/engine_setup.py)
     deepspeed.init_distributed(dist_backend="gloo")
     config = {"train_micro_batch_size_per_gpu": int(micro_batch), "bf16": {"enabled": True},
               "zero_optimization": {"stage": 3}}

@@ -146,13 +146,14 @@ PATCH_POINTS: tuple[PatchPoint, ...] = (
                 "timers"),
                "8-bit optimizer states swap to NVMe packed, pipelined (optimizer/nvme_swap_pipelined.py)"),
     PatchPoint(_STAGE3, SWAP, _STAGE3_PARAMETERS,
-               "the engine builds TieredZeroOptimizer_Stage3 for a per-layer placement (plan/zero_placement.py)",
+               "the engine builds TieredZeroOptimizer_Stage3 for a per-layer placement "
+               "(plan/deepspeed/zero_placement.py)",
                # 0.19.7 also takes ZeRO++ LoCo's setting; the tiered builder hands every argument on as given.
                other_versions=(("0.19.7", _inserted_after(_STAGE3_PARAMETERS, "zero_module_granularity_threshold",
                                                           "zeropp_loco_param")),)),
     PatchPoint("deepspeed.runtime.zero.partition_parameters:Init._partition_param", SWAP,
                ("param", "buffer", "has_been_updated", "free_data"),
-               "only the placed parameters' partitions go to NVMe at conversion (plan/zero_placement.py)"),
+               "only the placed parameters' partitions go to NVMe at conversion (plan/deepspeed/zero_placement.py)"),
     # Checkpoint files read without running code, from the bytes whose hash was checked, when lazy
     # checkpoints are off and DeepSpeed's own engine loads (checkpoint/verified_read.py).
     *(PatchPoint(f"deepspeed.runtime.checkpoint_engine.{module}:{cls}.load", REPLACE, ("path", "map_location"),
@@ -201,13 +202,13 @@ PATCH_POINTS: tuple[PatchPoint, ...] = (
                "stage 0: the norm computed for fused clipping, which the engine reads from its optimizer after "
                "the step and reports (optimizer/engine_setup.py)"),
     PatchPoint(f"{_INIT}.remote_device", SET, None,
-               "only the placed parameters are partitioned to NVMe at conversion (plan/zero_placement.py)"),
+               "only the placed parameters are partitioned to NVMe at conversion (plan/deepspeed/zero_placement.py)"),
     PatchPoint(f"{_INIT}.nvme_swapper", SET, None,
                "parameters partitioned before the placement get the NVMe swapper zero.Init gives its own "
-               "(plan/zero_placement.py)"),
+               "(plan/deepspeed/zero_placement.py)"),
     PatchPoint(f"{_INIT}.final_location", SET, None,
                "a partition moved to NVMe after conversion is marked as zero.Init marks its own "
-               "(plan/zero_placement.py)"),
+               "(plan/deepspeed/zero_placement.py)"),
     # transformers models: a module's forward rewritten on the instance (nn.Module.__call__ reads
     # `self.forward`), and a decoder layer's recompute through torch's non-reentrant checkpoint.
     PatchPoint("torch.nn.modules.module:Module.forward", SET, None,

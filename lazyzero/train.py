@@ -94,7 +94,7 @@ def bound_heap_of_planned_runs(ds_config: dict) -> None:
     import torch
 
     if ((ds_config.get("lazyzero") or {}).get("plan") or {}).get("enabled") is True and not torch.cuda.is_available():
-        from lazyzero.plan.host_memory import bound_host_heap
+        from lazyzero.plan.deepspeed.host_memory import bound_host_heap
 
         bound_host_heap()
 

@@ -142,3 +142,17 @@ def test_the_engine_names_no_capability():
     named = [section for section in CAPABILITIES
              if f"lazyzero_config.{section}" in text or f'section("{section}")' in text]
     assert not named, f"engine.py names {named}"
+
+
+def test_the_planner_profile_does_not_import_the_engine_setup():
+    """The engine setup profiles a model (lazyzero/plan/deepspeed/engine_setup.py imports
+    lazyzero/plan/profile/); the profile reads nothing back from it, not even inside a function,
+    so the two are not a cycle."""
+    back = []
+    for path in sorted((PACKAGE / "plan" / "profile").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names = ([alias.name for alias in node.names] if isinstance(node, ast.Import)
+                     else [f"{node.module}.{alias.name}" for alias in node.names] + [node.module or ""]
+                     if isinstance(node, ast.ImportFrom) else [])
+            back += [f"{path.name} -> {name}" for name in names if name == "lazyzero.plan.deepspeed.engine_setup"]
+    assert not back, f"plan/profile/ imports the engine setup: {back}"

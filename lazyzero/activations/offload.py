@@ -1,7 +1,7 @@
 """Stored activations of chosen layers moved off the device during the forward and read back ahead of
 their backward (docs/plan.md: "activation offload to host or NVMe with prefetch").
 
-The memory planner (lazyzero/plan/problem.py) may give a layer's saved activations a home on
+The memory planner (lazyzero/plan/solver/problem.py) may give a layer's saved activations a home on
 another tier, host memory (CUDA) or NVMe. Its model: the layer's stored forms are written out from
 its own forward window on and come back during the backward of later layers, before the layer's own
 backward, so that the copies overlap compute. `ActivationOffloader` runs that schedule:

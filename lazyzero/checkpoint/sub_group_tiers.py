@@ -1,7 +1,7 @@
 """A restore of an NVMe-offloaded ZeRO-3 checkpoint under the placement it was saved with
 (docs/plan.md, "Placement"): the sub-groups a plan's per-layer placement cuts and tiers must be the
 ones the checkpoint holds. Kept with the checkpoint code that reads them (nvme_restore.py); the
-planner's placement (lazyzero/plan/zero_placement.py) only decides the tiers."""
+planner's placement (lazyzero/plan/deepspeed/zero_placement.py) only decides the tiers."""
 
 from __future__ import annotations
 

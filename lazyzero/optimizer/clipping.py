@@ -29,7 +29,7 @@ SKIP_STEP = float("nan")
 # DeepSpeed's clip formula adds 1e-6 to the norm before dividing; kept so clipped steps match it.
 CLIP_EPSILON = 1e-6
 _OWNER = "lazyzero.optimizer (fused clipping)"
-# Why the fused ZeRO-3 norm may hide TieredZeroOptimizer_Stage3._get_norm_groups (plan/zero_placement.py).
+# Why the fused ZeRO-3 norm may hide TieredZeroOptimizer_Stage3._get_norm_groups (plan/deepspeed/zero_placement.py).
 _OVER_TIERED_NORM = (
     "the override only puts DeepSpeed's per-sub-group norms back in the parameters' own order before they "
     "are combined; the fused norm (_stage_3_norm) takes no per-sub-group norms: it sums every parameter's "

@@ -1,10 +1,10 @@
 """Memory planner (docs/plan.md): problem -> MILP (python-mip, CBC) -> Plan, with a greedy plan, the
 baselines it is compared with, and a step simulator that checks any plan against the budgets."""
 
-from lazyzero.plan.baselines import deepspeed_default_plan, fixed_rule_plan
-from lazyzero.plan.greedy import greedy_plan
-from lazyzero.plan.milp import SolverFoundNoPlan, build_model, solve
-from lazyzero.plan.problem import (
+from lazyzero.plan.solver.baselines import deepspeed_default_plan, fixed_rule_plan
+from lazyzero.plan.solver.greedy import greedy_plan
+from lazyzero.plan.solver.milp import SolverFoundNoPlan, build_model, solve
+from lazyzero.plan.solver.problem import (
                                       ActTransfer,
                                       LayerCosts,
                                       LayerPlan,
@@ -15,7 +15,7 @@ from lazyzero.plan.problem import (
                                       PlanProblem,
                                       Tier,
 )
-from lazyzero.plan.simulate import BudgetExceeded, StepSimulation, check_within_budgets, simulate
+from lazyzero.plan.solver.simulate import BudgetExceeded, StepSimulation, check_within_budgets, simulate
 
 __all__ = [
     "ActTransfer", "BudgetExceeded", "LayerCosts", "LayerPlan", "Machine", "Path", "Plan", "PlanInfeasible",

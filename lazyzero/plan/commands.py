@@ -1,6 +1,6 @@
 """`lazyzero plan` (docs/plan.md): can this model train on this machine, and how fast?
 
-From a model preset with analytic costs (`--model 7b --gpu-mem 24GB ...`, `costs.py`), or from a
+From a model preset with analytic costs (`--model 7b --gpu-mem 24GB ...`, `deepspeed/costs.py`), or from a
 measured profile (`--profile profile.json`, written by `lazyzero profile` or by a planned run; the
 run shape, dtype and ranks come from the profile). Prints the plan per layer, the predicted peak
 per tier and step time, the solve time and gap and the baselines; writes plan.json, the DeepSpeed
@@ -61,7 +61,7 @@ def run_plan_command(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from lazyzero.plan import PlanInfeasible, SolverFoundNoPlan, greedy_plan, solve
-    from lazyzero.plan.implied import PlanNotExpressible
+    from lazyzero.plan.deepspeed.implied import PlanNotExpressible
     from lazyzero.plan.profile.profiler import ProfileFileError
     from lazyzero.plan.report import baseline_step_times, plan_table
 
@@ -98,10 +98,10 @@ def run_plan_command(args: argparse.Namespace) -> int:
 
 def _problem(args: argparse.Namespace):
     """(problem, model sizes or None, base DeepSpeed config) from the preset or the profile."""
-    from lazyzero.plan.implied import DEFAULT_BASE_CONFIG
+    from lazyzero.plan.deepspeed.implied import DEFAULT_BASE_CONFIG
 
     if args.profile is None:
-        from lazyzero.plan.costs import problem_from_preset
+        from lazyzero.plan.deepspeed.costs import problem_from_preset
 
         if args.gpu_mem is None:
             raise ValueError("--gpu-mem is needed with --model (a preset is planned for one GPU)")
@@ -110,7 +110,7 @@ def _problem(args: argparse.Namespace):
             micro_batch=args.micro_batch, gpu_tflops=args.gpu_tflops, h2d_gbps=args.h2d_gbps,
             d2h_gbps=args.d2h_gbps, nvme_read_gbps=args.nvme_read_gbps, nvme_write_gbps=args.nvme_write_gbps)
         return problem, None, {**DEFAULT_BASE_CONFIG, "train_micro_batch_size_per_gpu": args.micro_batch}
-    from lazyzero.plan.problem_from_profile import Budgets, RankShape, problem_from_profile
+    from lazyzero.plan.deepspeed.problem_from_profile import Budgets, RankShape, problem_from_profile
     from lazyzero.plan.profile.profiler import read_profile
 
     profile = read_profile(args.profile)
@@ -131,14 +131,14 @@ def _problem(args: argparse.Namespace):
 def _engines_use_torch_adam(profile) -> bool:
     """Whether the profile's calibration engines stepped torch's AdamW: the run they were measured for
     does (its config's optimizer section is theirs, implied.calibration_ds_config)."""
-    from lazyzero.plan.problem_from_profile import uses_torch_adam
+    from lazyzero.plan.deepspeed.problem_from_profile import uses_torch_adam
 
     return profile.engine is not None and uses_torch_adam(profile.engine.config)
 
 
 def _write_outputs(args: argparse.Namespace, problem, plan, sizes, base: dict) -> None:
     """DIR/plan.json, DIR/ds_config.json (the DeepSpeed config the plan implies), DIR/memory.png."""
-    from lazyzero.plan.implied import implied_setup
+    from lazyzero.plan.deepspeed.implied import implied_setup
     from lazyzero.plan.report import plot_memory
 
     out = Path(args.out or (f"plan-{args.model}" if args.model else "plan"))

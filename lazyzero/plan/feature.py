@@ -1,7 +1,7 @@
 """The memory planner as an engine feature (lazyzero/engine/features.py): before DeepSpeed builds
-anything it profiles, solves and rewrites the config into the one the plan implies (engine_setup.py);
-while DeepSpeed builds ZeRO-3 it places the planned layers' tensors on NVMe (zero_placement.py); during
-training it compares measured with predicted and plans the activations again (monitor.py)."""
+anything it profiles, solves and rewrites the config into the one the plan implies (deepspeed/engine_setup.py);
+while DeepSpeed builds ZeRO-3 it places the planned layers' tensors on NVMe (deepspeed/zero_placement.py); during
+training it compares measured with predicted and plans the activations again (deepspeed/monitor.py)."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ class PlanFeature(Feature):
         """The planned DeepSpeed config and "lazyzero" section, and the plan for the engine's feature."""
         if not lazyzero_config.plan.enabled:
             return None
-        from lazyzero.plan.engine_setup import plan_run
+        from lazyzero.plan.deepspeed.engine_setup import plan_run
 
         active_plan = plan_run(model, ds_config, lazyzero_config, dist)
         return {"ds_config": active_plan.setup.ds_config, "lazyzero_config": active_plan.lazyzero_config,
@@ -29,21 +29,21 @@ class PlanFeature(Feature):
 
     def check_parsed_config(self, config_class, model) -> None:
         if self.active_plan is not None:
-            from lazyzero.plan.engine_setup import check_planned_config
+            from lazyzero.plan.deepspeed.engine_setup import check_planned_config
 
             check_planned_config(self.active_plan, config_class, model)
 
     def around_zero_optimizer_build(self, engine):
-        # A plan may swap only some layers' optimizer state and parameters to NVMe (zero_placement.py).
+        # A plan may swap only some layers' optimizer state and parameters to NVMe (deepspeed/zero_placement.py).
         if self.active_plan is None:
             return nullcontext()
-        from lazyzero.plan.engine_setup import planned_zero_placement
+        from lazyzero.plan.deepspeed.engine_setup import planned_zero_placement
 
         return planned_zero_placement(self.active_plan, engine.module)
 
     def attach(self, engine) -> None:
         if self.active_plan is not None:
-            from lazyzero.plan.monitor import PlanMonitor
+            from lazyzero.plan.deepspeed.monitor import PlanMonitor
 
             self.monitor = PlanMonitor(self.active_plan)
 

@@ -1,16 +1,16 @@
 """What `lazyzero plan` shows and writes (docs/plan.md): the plan as a table, a plot of memory per tier
 over the step, and the baselines' predictions beside it (the DeepSpeed config a plan implies is
-`implied.py`'s)."""
+`deepspeed/implied.py`'s)."""
 
 from __future__ import annotations
 
 import io
 from pathlib import Path as FilePath
 
-from lazyzero.plan.baselines import deepspeed_default_plan, fixed_rule_plan
-from lazyzero.plan.greedy import greedy_plan
-from lazyzero.plan.problem import BIT_WIDTHS, REDUCED_WIDTHS, LayerCosts, Plan, PlanInfeasible, PlanProblem
-from lazyzero.plan.simulate import BudgetExceeded, check_within_budgets, simulate, window_label
+from lazyzero.plan.solver.baselines import deepspeed_default_plan, fixed_rule_plan
+from lazyzero.plan.solver.greedy import greedy_plan
+from lazyzero.plan.solver.problem import BIT_WIDTHS, REDUCED_WIDTHS, LayerCosts, Plan, PlanInfeasible, PlanProblem
+from lazyzero.plan.solver.simulate import BudgetExceeded, check_within_budgets, simulate, window_label
 
 GB = 1e9
 TABLE_WIDTH = 130

@@ -47,7 +47,7 @@ from lazyzero.patch_point import (
     unredirect_function,
     wrap_method,
 )
-from lazyzero.plan.zero_placement import TieredZeroOptimizer_Stage3
+from lazyzero.plan.deepspeed.zero_placement import TieredZeroOptimizer_Stage3
 
 PACKAGE = Path(__file__).resolve().parents[2] / "lazyzero"
 DOOR = PACKAGE / "patch_point.py"

@@ -1,4 +1,4 @@
-"""Per-layer ZeRO-3 tiers (lazyzero/plan/zero_placement.py) in real 2-rank runs
+"""Per-layer ZeRO-3 tiers (lazyzero/plan/deepspeed/zero_placement.py) in real 2-rank runs
 (tests/plan/test_zero_placement.py).
 
 A Llama with hidden size 1024: each rank's share of every weight matrix is at least 1 MiB in fp32
@@ -46,7 +46,7 @@ import lazyzero.engine.engine as engine_module
 from lazyzero.checkpoint.sub_group_tiers import check_checkpoint_tiers
 from lazyzero.models import build_model
 from lazyzero.patch_point import applied_patches
-from lazyzero.plan.zero_placement import ZeroPlacement, zero_placement
+from lazyzero.plan.deepspeed.zero_placement import ZeroPlacement, zero_placement
 from lazyzero.testing import destroy_engine, worker_args, write_json_from_every_rank
 
 VOCAB, SEQUENCE, BATCH, SAVE_AT = 300, 16, 2, 3
@@ -151,7 +151,7 @@ def sub_groups(engine) -> list[dict]:
 
 
 def swap_buffer_bytes(engine) -> dict[str, int]:
-    """Host bytes of DeepSpeed's NVMe swappers' buffers (what lazyzero/plan/swap_buffers.py
+    """Host bytes of DeepSpeed's NVMe swappers' buffers (what lazyzero/plan/deepspeed/swap_buffers.py
     predicts): the optimizer swapper's, and the parameter swapper's pool and partitioned buffer."""
     def size(tensor) -> int:
         return 0 if tensor is None else tensor.numel() * tensor.element_size()

@@ -11,7 +11,7 @@ import torch
 
 from lazyzero.config import ActivationsConfig, PlanConfig
 from lazyzero.models import REAL_MODEL_INSTALL, build_model
-from lazyzero.plan.costs import EMBED_AND_HEAD
+from lazyzero.plan.deepspeed.costs import EMBED_AND_HEAD
 from lazyzero.plan.profile import layers as layers_
 from lazyzero.plan.profile.grad_error import grad_errors, loss_gradient_at_last_layer
 from lazyzero.plan.profile.profiler import ProfileSettings, profile_model
@@ -92,7 +92,7 @@ def test_massive_channels_in_one_layer_show_in_its_measured_error_only(massive_p
 
 def test_a_bound_between_the_layers_4_bit_errors_excludes_4_bits_from_the_massive_one_only(massive_profile):
     """What the planner then sees (tests/plan/test_quality_bound.py plans with such a layer)."""
-    from lazyzero.plan.problem_from_profile import within_error_bound
+    from lazyzero.plan.deepspeed.problem_from_profile import within_error_bound
 
     bound = 0.5 * (massive_profile.layer("model.layers.0").grad_error[4]
                    + massive_profile.layer("model.layers.1").grad_error[4])
@@ -149,10 +149,10 @@ def test_without_a_host_tier_the_compute_tier_is_called_host_in_the_table():
     as a mistake there (the table, its per-tier peaks and the memory plot use `Machine.tier_label`)."""
     import dataclasses
 
-    from lazyzero.plan.greedy import greedy_plan
-    from lazyzero.plan.instances import llama_like_80_layers
-    from lazyzero.plan.problem import Machine
     from lazyzero.plan.report import plan_table
+    from lazyzero.plan.solver.greedy import greedy_plan
+    from lazyzero.plan.solver.instances import llama_like_80_layers
+    from lazyzero.plan.solver.problem import Machine
 
     with_gpu = llama_like_80_layers()
     tiers = {name: tier for name, tier in with_gpu.machine.tiers.items() if name != "cpu"}

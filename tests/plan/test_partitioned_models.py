@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from lazyzero.distributed.launch import distributed_env, free_port
-from lazyzero.plan.problem import LayerPlan
+from lazyzero.plan.solver.problem import LayerPlan
 from lazyzero.testing import run_distributed
 
 HERE = Path(__file__).resolve().parent

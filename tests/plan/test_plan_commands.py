@@ -10,9 +10,9 @@ from lazyzero.cli import main
 from lazyzero.config import ActivationsConfig, check_config_file
 from lazyzero.models.presets import PRESETS
 from lazyzero.plan import LayerPlan, Plan, check_within_budgets, deepspeed_default_plan
-from lazyzero.plan.costs import EMBED_AND_HEAD, problem_from_preset
-from lazyzero.plan.implied import eight_bit_share, implied_ds_config
-from lazyzero.plan.simulate import evaluate_layers
+from lazyzero.plan.deepspeed.costs import EMBED_AND_HEAD, problem_from_preset
+from lazyzero.plan.deepspeed.implied import eight_bit_share, implied_ds_config
+from lazyzero.plan.solver.simulate import evaluate_layers
 
 GB = 10**9
 SPEEDS = dict(gpu_tflops=400, h2d_gbps=25, d2h_gbps=25, nvme_read_gbps=3, nvme_write_gbps=2)

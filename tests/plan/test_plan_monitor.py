@@ -1,4 +1,4 @@
-"""The planned run's re-plan decision (lazyzero/plan/monitor.py): a re-plan needs CONFIRMING_CHECKS
+"""The planned run's re-plan decision (lazyzero/plan/deepspeed/monitor.py): a re-plan needs CONFIRMING_CHECKS
 checks in a row beyond `replan_margin` and the plan's median check beyond it too, and calibrates with
 that median. The monitor runs on a one-process gloo group (its all-reduce is real); what a re-plan
 then solves is the planned-run tests' (tests/plan/test_planned_training.py)."""
@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from lazyzero.config import PlanConfig
-from lazyzero.plan import monitor
-from lazyzero.plan.monitor import CONFIRMING_CHECKS, MAX_REPLANS, PlanMonitor
+from lazyzero.plan.deepspeed import monitor
+from lazyzero.plan.deepspeed.monitor import CONFIRMING_CHECKS, MAX_REPLANS, PlanMonitor
 
 PREDICTED_STEP_S = 1.0
 PEAK_BYTES = 1e9

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from lazyzero.plan.problem import LayerPlan
+from lazyzero.plan.solver.problem import LayerPlan
 from lazyzero.testing import run_distributed
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -120,10 +120,10 @@ def test_a_budget_below_the_all_in_memory_peak_is_kept(tmp_path):
     the run's peak resident set stays within 1.1 x that budget (the issue's criterion) and the plan
     moved something off or shrank it."""
     from lazyzero.config import PlanConfig
-    from lazyzero.plan.calibrate import smallest_compute_budget
-    from lazyzero.plan.problem_from_profile import problem_for_config
+    from lazyzero.plan.deepspeed.calibrate import smallest_compute_budget
+    from lazyzero.plan.deepspeed.problem_from_profile import problem_for_config
     from lazyzero.plan.profile.profiler import read_profile
-    from lazyzero.plan.simulate import evaluate_layers
+    from lazyzero.plan.solver.simulate import evaluate_layers
 
     generous = planned_config(tmp_path, cpu_mem=32 * GB, seq_len=SEQ_LEN, measure_steps=1, replan=False)
     _, _, first = train(tmp_path, generous, steps=3)

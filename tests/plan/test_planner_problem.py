@@ -27,10 +27,10 @@ from lazyzero.plan import (
     simulate,
     solve,
 )
-from lazyzero.plan.costs import EMBED_AND_HEAD, decoder_layer_name, problem_from_preset
-from lazyzero.plan.instances import llama_like_80_layers
-from lazyzero.plan.problem import Placement, activation_options
-from lazyzero.plan.simulate import evaluate_layers
+from lazyzero.plan.deepspeed.costs import EMBED_AND_HEAD, decoder_layer_name, problem_from_preset
+from lazyzero.plan.solver.instances import llama_like_80_layers
+from lazyzero.plan.solver.problem import Placement, activation_options
+from lazyzero.plan.solver.simulate import evaluate_layers
 from lazyzero.testing import TOLERANCES
 
 GB = 10**9
@@ -405,7 +405,7 @@ def test_headroom_share_places_the_budget_between_the_least_with_a_plan_and_all_
     """`plan.headroom_share`: the capacity lies `share` of the way from the least capacity that
     admits a plan to the all-in-memory plan's peak; a plan exists there, and none a little below
     the least (so the least is the real edge, not a loose bound)."""
-    from lazyzero.plan.calibrate import all_in_memory_peak, headroom_budget, with_compute_capacity
+    from lazyzero.plan.deepspeed.calibrate import all_in_memory_peak, headroom_budget, with_compute_capacity
 
     problem = random_problem(7, 4, gpu_fraction=0.05, tiers=("cpu",))
     budget = headroom_budget(problem, share)

@@ -7,14 +7,15 @@ from dataclasses import replace
 
 import pytest
 
-from lazyzero.plan.costs import EMBED_AND_HEAD
-from lazyzero.plan.problem_from_profile import (
+from lazyzero.plan.deepspeed.costs import EMBED_AND_HEAD
+from lazyzero.plan.deepspeed.problem_from_profile import (
     Budgets,
     RankShape,
     problem_for_config,
     problem_from_profile,
     uses_torch_adam,
 )
+from lazyzero.plan.deepspeed.swap_buffers import aligned
 from lazyzero.plan.profile.data import (
     Bandwidth,
     CollectiveSpeed,
@@ -26,7 +27,6 @@ from lazyzero.plan.profile.data import (
     OptimizerSpeed,
     TensorInfo,
 )
-from lazyzero.plan.swap_buffers import aligned
 
 MB = 10**6
 LAYER_TENSORS = {"self_attn.q_proj.weight": 64 * 64, "self_attn.k_proj.weight": 64 * 32, "mlp.up_proj.weight": 64 * 177,
@@ -143,10 +143,10 @@ def test_the_engines_own_optimizer_is_no_part_of_deepspeeds_cost_per_layer(tmp_p
     (torch's AdamW, from the run's config) add no cost to any layer, so a plan stepping 8-bit states
     is predicted without torch's step; priced as DeepSpeed's CPU Adam instead, torch's extra time
     would be taken for DeepSpeed's own and stay in every layer's backward."""
-    from lazyzero.plan.calibrate import _cut, _in_memory_prediction
-    from lazyzero.plan.problem import LayerPlan
+    from lazyzero.plan.deepspeed.calibrate import _cut, _in_memory_prediction
     from lazyzero.plan.profile.data import EngineCalibration, EngineRun
-    from lazyzero.plan.simulate import evaluate_layers
+    from lazyzero.plan.solver.problem import LayerPlan
+    from lazyzero.plan.solver.simulate import evaluate_layers
 
     profile = _five_layer_profile()
     budgets = Budgets(cpu_mem=4 * 10**9, gpu_mem=None, nvme_path=None, local_ranks=2)
@@ -219,7 +219,7 @@ def test_a_cuda_profile_needs_a_gpu_budget(tmp_path):
 
 
 def test_other_features_add_what_they_hold_whatever_the_plan():
-    from lazyzero.plan.problem_from_profile import feature_workspace_bytes
+    from lazyzero.plan.deepspeed.problem_from_profile import feature_workspace_bytes
 
     profile, shape = made_up_profile(), RankShape(2, "bfloat16", True, True)
     layer_numel = sum(LAYER_TENSORS.values())
@@ -242,7 +242,7 @@ def _rank_files(profile, world_size: int, eight_bit: bool) -> dict:
     rank state with an fp32 error-feedback residual of every parameter."""
     import torch
 
-    from lazyzero.plan.costs import optimizer_state_bytes
+    from lazyzero.plan.deepspeed.costs import optimizer_state_bytes
 
     optim, residual = {}, 0
     for row in profile.layers:
@@ -273,8 +273,8 @@ def test_the_predicted_peak_holds_the_snapshot_the_checkpoint_code_allocates(tmp
     from lazyzero.checkpoint.lazy_engine import LazyCheckpointEngine
     from lazyzero.config import PlanConfig
     from lazyzero.config.models import CheckpointConfig
-    from lazyzero.plan.problem import LayerPlan
-    from lazyzero.plan.simulate import evaluate_layers
+    from lazyzero.plan.solver.problem import LayerPlan
+    from lazyzero.plan.solver.simulate import evaluate_layers
 
     ds_config = {"bf16": {"enabled": True}, "zero_optimization": {"stage": 3},
                  "lazyzero": {"checkpoint": {"enabled": True}, "gradients": {"enabled": True, "error_feedback": True}}}
@@ -296,7 +296,7 @@ def test_the_predicted_peak_holds_the_snapshot_the_checkpoint_code_allocates(tmp
 def test_the_milp_and_the_simulator_agree_on_the_snapshot_and_a_limit_caps_it(tmp_path):
     from lazyzero.config import PlanConfig
     from lazyzero.plan import solve
-    from lazyzero.plan.simulate import evaluate_layers
+    from lazyzero.plan.solver.simulate import evaluate_layers
 
     ds_config = {"bf16": {"enabled": True}, "zero_optimization": {"stage": 3},
                  "lazyzero": {"checkpoint": {"enabled": True}}}
@@ -335,7 +335,7 @@ def test_the_int8_exchange_replaces_zero3s_reduce_scatter_in_the_backward():
 def test_lazy_checkpoints_every_n_steps_share_the_windows_with_their_snapshot_traffic(tmp_path):
     from lazyzero.config import PlanConfig
     from lazyzero.plan import solve
-    from lazyzero.plan.problem_from_profile import lazy_snapshot_bytes, problem_for_config
+    from lazyzero.plan.deepspeed.problem_from_profile import lazy_snapshot_bytes, problem_for_config
 
     ds_config = {"bf16": {"enabled": True}, "zero_optimization": {"stage": 3},
                  "lazyzero": {"checkpoint": {"enabled": True}}}
@@ -352,8 +352,8 @@ def test_lazy_checkpoints_every_n_steps_share_the_windows_with_their_snapshot_tr
 
 
 def test_quality_penalty_follows_the_measured_error_and_the_bound_drops_widths(tmp_path):
-    from lazyzero.plan.costs import QUALITY_COST_PER_FWD_S
-    from lazyzero.plan.problem_from_profile import QUALITY_COST_PER_ERROR
+    from lazyzero.plan.deepspeed.costs import QUALITY_COST_PER_FWD_S
+    from lazyzero.plan.deepspeed.problem_from_profile import QUALITY_COST_PER_ERROR
 
     budgets = Budgets(cpu_mem=4 * 10**9, gpu_mem=None, nvme_path=None, local_ranks=2)
     shape = RankShape(2, "bfloat16", True, True)
@@ -375,7 +375,7 @@ def test_quality_penalty_follows_the_measured_error_and_the_bound_drops_widths(t
 
 def test_a_planned_run_applies_the_configured_bound():
     from lazyzero.config import PlanConfig
-    from lazyzero.plan.problem_from_profile import problem_for_config
+    from lazyzero.plan.deepspeed.problem_from_profile import problem_for_config
 
     ds_config = {"bf16": {"enabled": True}, "zero_optimization": {"stage": 3}}
     default = PlanConfig(enabled=True, seq_len=8, cpu_mem=4 * 10**9)
@@ -388,7 +388,7 @@ def test_a_planned_run_applies_the_configured_bound():
 
 
 def test_engine_memory_excess_splits_into_a_fixed_part_and_one_per_layer():
-    from lazyzero.plan.calibrate import engine_memory_excess
+    from lazyzero.plan.deepspeed.calibrate import engine_memory_excess
 
     # The demo preset's engines, each alone in a process: 57 and 94 MB above the formulas at 1 and 3
     # decoder layers (134 MB measured at 6; the line gives 149.5).
@@ -403,7 +403,7 @@ def test_engine_memory_excess_splits_into_a_fixed_part_and_one_per_layer():
 
 
 def test_the_engine_calibration_moves_the_workspace_by_the_excess_at_the_models_depth():
-    from lazyzero.plan.calibrate import _cut, _in_memory_prediction
+    from lazyzero.plan.deepspeed.calibrate import _cut, _in_memory_prediction
     from lazyzero.plan.profile.data import EngineCalibration, EngineRun
 
     profile = made_up_profile()
@@ -426,7 +426,7 @@ def test_the_engine_calibration_moves_the_workspace_by_the_excess_at_the_models_
     assert problem.workspace_bytes - plain.workspace_bytes == pytest.approx(0, abs=2)
     decoders = [c for c in problem.layers if c.name != EMBED_AND_HEAD]
     assert all(c.engine_excess_bytes == pytest.approx(10 * MB, abs=2) for c in decoders)
-    from lazyzero.plan.problem import LayerPlan
+    from lazyzero.plan.solver.problem import LayerPlan
 
     in_memory = [LayerPlan("keep", 16, "gpu", "gpu", "gpu", False)] * problem.num_layers
     on_nvme = [LayerPlan("keep", 16, "gpu", "nvme", "nvme", False)] * len(decoders) + in_memory[-1:]
@@ -442,7 +442,7 @@ def _five_layer_profile():
 
 
 def test_the_nvme_engine_prices_every_nvme_copy_at_the_one_speed_it_measured(tmp_path):
-    from lazyzero.plan.calibrate import _cut, _in_memory_prediction, _swapped_prediction
+    from lazyzero.plan.deepspeed.calibrate import _cut, _in_memory_prediction, _swapped_prediction
     from lazyzero.plan.profile.data import EngineCalibration, EngineRun
 
     profile = _five_layer_profile()
@@ -472,9 +472,9 @@ def test_the_nvme_engine_prices_every_nvme_copy_at_the_one_speed_it_measured(tmp
 
 
 def test_an_engine_with_parameters_alone_on_nvme_prices_them_apart_from_the_other_copies(tmp_path):
-    from lazyzero.plan.calibrate import _cut, _swapped_prediction
-    from lazyzero.plan.problem import Placement, blocking_seconds, placement_traffic
+    from lazyzero.plan.deepspeed.calibrate import _cut, _swapped_prediction
     from lazyzero.plan.profile.data import EngineCalibration, EngineRun
+    from lazyzero.plan.solver.problem import Placement, blocking_seconds, placement_traffic
 
     profile = _five_layer_profile()
     budgets = Budgets(cpu_mem=4 * 10**9, gpu_mem=None, nvme_path=str(tmp_path), local_ranks=2)
@@ -527,8 +527,8 @@ def test_an_nvme_engine_no_slower_than_memory_or_a_run_without_nvme_keeps_the_di
 
 def _peak(problem, layers) -> float:
     """The simulated compute-memory peak of `layers`, on the problem's machine with an NVMe tier added."""
-    from lazyzero.plan.problem import Path, Tier
-    from lazyzero.plan.simulate import evaluate_layers
+    from lazyzero.plan.solver.problem import Path, Tier
+    from lazyzero.plan.solver.simulate import evaluate_layers
 
     machine = problem.machine
     nvme = replace(machine, tiers={**machine.tiers, "nvme": Tier("nvme", 10**12)},
@@ -539,7 +539,7 @@ def _peak(problem, layers) -> float:
 def test_the_engine_line_runs_through_the_shallowest_and_the_deepest_engine():
     """With an engine at the model's own depth, the calibrated problem predicts what that engine took
     at that depth; the engine of 3 layers between them moves nothing."""
-    from lazyzero.plan.calibrate import _cut, _in_memory_prediction
+    from lazyzero.plan.deepspeed.calibrate import _cut, _in_memory_prediction
     from lazyzero.plan.profile.data import EngineCalibration, EngineRun
 
     profile = _five_layer_profile()

@@ -14,7 +14,7 @@ from lazyzero.activations import ActivationPacker, ActivationPolicy
 from lazyzero.cli import main
 from lazyzero.config import ActivationsConfig
 from lazyzero.models import build_model
-from lazyzero.plan.costs import EMBED_AND_HEAD
+from lazyzero.plan.deepspeed.costs import EMBED_AND_HEAD
 from lazyzero.plan.profile.data import PROFILE_VERSION
 from lazyzero.plan.profile.layers import profiling_batch
 from lazyzero.plan.profile.machine import aio_settings, aio_unavailable_reason, nvme_bandwidths

@@ -17,8 +17,8 @@ from lazyzero.plan import (
     simulate,
     solve,
 )
-from lazyzero.plan.problem import activation_options
-from lazyzero.plan.simulate import evaluate_layers
+from lazyzero.plan.solver.problem import activation_options
+from lazyzero.plan.solver.simulate import evaluate_layers
 
 GB = 10**9
 SENSITIVE = 1  # the layer whose 4-bit error is over the bound
@@ -105,7 +105,7 @@ def test_the_simulator_refuses_a_plan_over_the_bound_and_the_baselines_respect_i
 
 
 def test_a_given_plan_over_the_bound_is_refused_naming_the_setting(tmp_path):
-    from lazyzero.plan.engine_setup import given_plan
+    from lazyzero.plan.deepspeed.engine_setup import given_plan
 
     loose = problem(1e15, bounded=False)
     over = evaluate_layers(loose, [LayerPlan("keep", 4, "gpu", "gpu", "gpu", False)] * 4, "greedy")

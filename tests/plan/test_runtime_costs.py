@@ -22,8 +22,8 @@ from lazyzero.plan import (
     simulate,
     solve,
 )
-from lazyzero.plan.problem import Placement, activation_options, placement_options
-from lazyzero.plan.simulate import BudgetExceeded, check_within_budgets, evaluate_layers
+from lazyzero.plan.solver.problem import Placement, activation_options, placement_options
+from lazyzero.plan.solver.simulate import BudgetExceeded, check_within_budgets, evaluate_layers
 from lazyzero.testing import TOLERANCES
 
 GB = 10**9
@@ -155,7 +155,7 @@ def test_simulated_windows_follow_the_rules_by_hand():
 
 def test_gradients_stepped_from_host_memory_cost_no_nvme_copies():
     """The planner's stage-3 optimizer steps a layer whose state is on NVMe from its gradients in host
-    memory (Machine.nvme_grads_resident, plan/resident_gradients.py): the optimizer window of the test
+    memory (Machine.nvme_grads_resident, plan/deepspeed/resident_gradients.py): the optimizer window of the test
     above loses the gradients' write and read (4 + 2 s) and keeps the rest; memory is unchanged."""
     layer = [LayerPlan("keep", 4, "gpu", "gpu", "nvme", True)]
     problems = [one_layer_problem(nvme_swaps_block=True, nvme_state_takes_grads=True, nvme_grads_resident=resident)

@@ -1,4 +1,4 @@
-"""Per-layer ZeRO-3 tiers (lazyzero/plan/zero_placement.py): optimizer state and bf16 parameters of
+"""Per-layer ZeRO-3 tiers (lazyzero/plan/deepspeed/zero_placement.py): optimizer state and bf16 parameters of
 chosen layers on NVMe, the rest in memory.
 
 Real runs: 2 ranks, tests/plan/placement_worker.py (a hidden-1024 Llama of 2 layers, bf16,
@@ -18,7 +18,7 @@ import torch
 from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
 
 from lazyzero.config.errors import LazyZeroConfigError
-from lazyzero.plan.zero_placement import (
+from lazyzero.plan.deepspeed.zero_placement import (
     ZeroPlacement,
     check_placement_names,
     names_under,
@@ -106,7 +106,7 @@ def test_the_planner_counts_deepspeeds_swap_buffers(tiered_runs):
     """The host memory the planner reserves for DeepSpeed's NVMe swappers (swap_buffers.py) is what
     their buffers hold: the optimizer swapper's 4 fp32 buffers of the largest sub-group, and the
     parameter swapper's pool (8 x 1.1M bf16 elements here) and partitioned buffer."""
-    from lazyzero.plan.swap_buffers import optimizer_swap_bytes, parameter_swap_bytes
+    from lazyzero.plan.deepspeed.swap_buffers import optimizer_swap_bytes, parameter_swap_bytes
 
     for record in tiered_runs["half"]:
         largest = max(group["numel"] for group in record["sub_groups"])

@@ -12,7 +12,7 @@ the line through the shallowest and the deepest engine into a per-layer and a pe
 On the host (no GPU), a model held whole on every rank with more decoder layers than the second engine
 is also run at its own depth (at most DEEPEST_CALIBRATION_LAYERS) where the line through the first two
 engines' peaks says it fits the memory the host has free: DeepSpeed's cost per layer grows with depth
-under the planned runs' allocator bound (`host_memory.py`). A model partitioned at construction or on
+under the planned runs' allocator bound (`plan/deepspeed/host_memory.py`). A model partitioned at construction or on
 the meta device is taken not to fit whole and keeps the two shallow engines.
 
 Where the run may swap to NVMe (its optimizer is offloaded there), one more engine of 3 decoder layers
@@ -223,8 +223,8 @@ def _placement(model: nn.Module, config: dict, nvme: bool, params_only: bool = F
     """As a planned run places them: with `nvme` every decoder layer's parameters and optimizer
     state on NVMe (with `params_only`, parameters only; the embeddings and head in memory), else, with
     the optimizer offloaded to NVMe, every layer kept in memory; None where nothing is offloaded."""
+    from lazyzero.plan.deepspeed.zero_placement import ZeroPlacement
     from lazyzero.plan.profile.layers import decoder_layers
-    from lazyzero.plan.zero_placement import ZeroPlacement
 
     if nvme:
         layers = list(decoder_layers(model))
@@ -236,7 +236,7 @@ def _placement(model: nn.Module, config: dict, nvme: bool, params_only: bool = F
 
 def parameters_swappable(model: nn.Module) -> bool:
     """Whether a planned run may put this model's parameters on NVMe (the planner's own rule)."""
-    from lazyzero.plan.problem_from_profile import nvme_swaps_parameters
+    from lazyzero.plan.deepspeed.problem_from_profile import nvme_swaps_parameters
 
     return nvme_swaps_parameters(str(_dtype(model)).removeprefix("torch."), on_gpu=torch.cuda.is_available())
 
@@ -245,8 +245,8 @@ def _run(model: nn.Module, config: dict, batch: dict, steps: int, layers: int, n
          params_only: bool = False) -> dict:
     import deepspeed
 
-    from lazyzero.plan.host_memory import peak_resident_bytes, reset_peak_resident, resident_bytes
-    from lazyzero.plan.zero_placement import zero_placement
+    from lazyzero.plan.deepspeed.host_memory import peak_resident_bytes, reset_peak_resident, resident_bytes
+    from lazyzero.plan.deepspeed.zero_placement import zero_placement
 
     before = resident_bytes()
     model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -276,7 +276,7 @@ def _child(request_path: str) -> None:
     from deepspeed import comm
 
     from lazyzero.distributed.shm_segments import release_own_segment_name
-    from lazyzero.plan.host_memory import bound_host_heap
+    from lazyzero.plan.deepspeed.host_memory import bound_host_heap
 
     request = json.loads(Path(request_path).read_text())
     bound_host_heap()
@@ -294,8 +294,8 @@ def _child(request_path: str) -> None:
     with _swap_folder(request) as folder:
         config = request["ds_config"]
         if folder is not None:
-            from lazyzero.plan.engine_setup import model_sizes_of
-            from lazyzero.plan.implied import nvme_calibration_ds_config
+            from lazyzero.plan.deepspeed.implied import nvme_calibration_ds_config
+            from lazyzero.plan.profile.layers import model_sizes_of
 
             config = nvme_calibration_ds_config(config, model_sizes_of(model, request["world_size"]), str(folder),
                                                 parameters=parameters_swappable(model))

@@ -32,7 +32,6 @@ from torch import nn
 
 from lazyzero.activations import ActivationPolicy
 from lazyzero.config.models import ActivationsConfig
-from lazyzero.plan.problem import REDUCED_WIDTHS
 from lazyzero.plan.profile.layers import (
     ModelCalls,
     PassThrough,
@@ -42,6 +41,7 @@ from lazyzero.plan.profile.layers import (
     layers_replaced,
     profiling_config,
 )
+from lazyzero.plan.solver.problem import REDUCED_WIDTHS
 
 
 def grad_errors(model: nn.Module, calls: ModelCalls, batch: dict, config: ActivationsConfig, device: torch.device,

@@ -33,10 +33,11 @@ from transformers.cache_utils import Cache
 from lazyzero.activations import ActivationAccounting, ActivationPacker, ActivationPolicy
 from lazyzero.activations.policy import is_decoder_layer, layer_index
 from lazyzero.config.models import ActivationsConfig
-from lazyzero.plan.problem import BIT_WIDTHS
+from lazyzero.plan.deepspeed.implied import ModelSizes
 from lazyzero.plan.profile.data import TensorInfo
 from lazyzero.plan.profile.materialize import full_numel, materialized
 from lazyzero.plan.profile.measure import heap_sampling_available, phase_memory, synchronize
+from lazyzero.plan.solver.problem import BIT_WIDTHS
 
 IGNORE_INDEX = -100
 
@@ -54,6 +55,15 @@ def decoder_layers(model: nn.Module) -> dict[str, nn.Module]:
     found = [(layer_index(name), name, module) for name, module in model.named_modules()
              if is_decoder_layer(name, module) and layer_index(name) is not None]
     return {name: module for _, name, module in sorted(found, key=lambda item: item[0])}
+
+
+def model_sizes_of(model: nn.Module, world_size: int) -> ModelSizes:
+    """The element counts the ZeRO-3 settings are sized from, read off the model itself (whole sizes
+    of partitioned parameters)."""
+    layers = list(decoder_layers(model).values())
+    return ModelSizes(largest_layer_numel=max(sum(full_numel(p) for p in layer.parameters()) for layer in layers),
+                      largest_tensor_numel=max(full_numel(p) for p in model.parameters()),
+                      tensors_per_layer=max(len(list(layer.parameters())) for layer in layers), world_size=world_size)
 
 
 def tensor_table(model: nn.Module, prefix: str = "", skip: tuple[str, ...] = ()) -> dict[str, TensorInfo]:

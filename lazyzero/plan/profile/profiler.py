@@ -33,8 +33,7 @@ import torch
 from torch import nn
 
 from lazyzero.config.models import ActivationsConfig
-from lazyzero.plan.costs import EMBED_AND_HEAD
-from lazyzero.plan.problem import BIT_WIDTHS
+from lazyzero.plan.deepspeed.costs import EMBED_AND_HEAD
 from lazyzero.plan.profile import grad_error as grad_error_
 from lazyzero.plan.profile import layers as layers_
 from lazyzero.plan.profile import machine as machine_
@@ -51,6 +50,7 @@ from lazyzero.plan.profile.data import (
 )
 from lazyzero.plan.profile.materialize import held_bytes
 from lazyzero.plan.profile.measure import process_rss_bytes
+from lazyzero.plan.solver.problem import BIT_WIDTHS
 
 # Config keys that do not change what a training step computes (labels, special ids, output flags).
 VOLATILE_CONFIG_KEYS = frozenset({

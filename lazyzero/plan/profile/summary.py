@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import io
 
-from lazyzero.plan.problem import BIT_WIDTHS, REDUCED_WIDTHS
 from lazyzero.plan.profile.data import DECODER, LayerProfile, ModelProfile
+from lazyzero.plan.solver.problem import BIT_WIDTHS, REDUCED_WIDTHS
 
 TABLE_WIDTH = 120
 MB = 1e6

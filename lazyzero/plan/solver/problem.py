@@ -73,7 +73,7 @@ class LayerCosts:
     snapshot_bytes_fp32 / _8bit: bytes a lazy checkpoint writes for this layer's state (its fp32
     partition and moments; 0 without lazy checkpoints), see `SnapshotMemory`.
     act_widths: the widths this layer may store its activations at; a width whose measured gradient
-    error exceeds the run's bound (`plan.max_grad_error`, problem_from_profile.py) is left out. 16
+    error exceeds the run's bound (`plan.max_grad_error`, plan/deepspeed/problem_from_profile.py) is left out. 16
     (exact) always stays, and recompute is always possible, so the bound never takes away a plan.
     grad_error[bits]: that measured error (LayerProfile.grad_error), shown beside the plan; None where
     nothing was measured (the analytic presets).
@@ -203,7 +203,7 @@ class Machine:
     nvme_grads_resident: bool = False
     """With `nvme_state_takes_grads`: the step of such a layer reads its gradients from DeepSpeed's flat
     gradient partition in host memory instead (the planner's stage-3 optimizer,
-    lazyzero/plan/resident_gradients.py), so they cost no NVMe copies; their memory is as above."""
+    lazyzero/plan/deepspeed/resident_gradients.py), so they cost no NVMe copies; their memory is as above."""
     nvme_param_bytes_per_s: float | None = None
     """The speed of parameters' blocking NVMe copies where it differs from the paths' (None: the
     paths'). DeepSpeed reads a layer's parameters one tensor at a time before its use, and writes them
@@ -291,17 +291,17 @@ class PlanProblem:
     allow_8bit_optimizer: bool = True
     # DeepSpeed offloads all parameters (all optimizer states) of a model or none: with this rule each
     # kind is either on the compute device in every layer or off it in every layer; which off-device
-    # tier is each layer's choice (lazyzero places NVMe per layer, lazyzero/plan/zero_placement.py).
+    # tier is each layer's choice (lazyzero places NVMe per layer, lazyzero/plan/deepspeed/zero_placement.py).
     # Set where there is a host tier beside the device; without one, "off the device" is NVMe alone.
     offload_all_or_none: bool = False
     # Tiers parameters may live on (None: every tier), e.g. not NVMe for an fp32 model on a machine
     # without a GPU, where DeepSpeed 0.19.8's NVMe parameter swapper fails (docs/deepspeed-internals.md).
     param_tiers: tuple[str, ...] | None = None
     # Per layer, the Placement (param tier, state tier, 8-bit) a running engine cannot change any
-    # more, or None where the planner is free; re-planning fixes all of them (calibrate.py).
+    # more, or None where the planner is free; re-planning fixes all of them (plan/deepspeed/calibrate.py).
     fixed_placements: tuple | None = None
     # Bytes held whenever any layer's parameters are on NVMe (DeepSpeed's parameter swapper: its
-    # buffer pool and partitioned swap buffer, swap_buffers.py), in host memory: the "cpu" tier where
+    # buffer pool and partitioned swap buffer, plan/deepspeed/swap_buffers.py), in host memory: the "cpu" tier where
     # there is one, else the compute memory.
     param_swap_bytes: int = 0
     # How the compute-memory capacity was placed when the user gave `plan.headroom_share`

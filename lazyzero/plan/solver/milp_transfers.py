@@ -27,7 +27,7 @@ from collections import defaultdict
 
 import mip
 
-from lazyzero.plan.problem import ActTransfer, LayerPlan, PlanProblem
+from lazyzero.plan.solver.problem import ActTransfer, LayerPlan, PlanProblem
 
 # The MILP's unit of bytes (milp.py: it keeps coefficients within a few orders of the seconds).
 GB = 1e9

@@ -3,7 +3,7 @@
 Before DeepSpeed builds anything: profile the model on this machine (or reuse the profile file),
 turn the profile into the planning problem of one rank (`problem_from_profile`), solve it on rank 0
 and broadcast the plan (CBC under a time limit need not give every rank the same answer), and
-rewrite the DeepSpeed config into the one the plan implies (`lazyzero.plan.implied`). The engine
+rewrite the DeepSpeed config into the one the plan implies (`lazyzero.plan.deepspeed.implied`). The engine
 is then built from that config, with the plan beside it so that it can compare what it measures with
 what was predicted (`monitor.py`).
 """
@@ -18,8 +18,11 @@ from pathlib import Path
 import torch
 
 from lazyzero.config import LazyZeroConfig, validate_ds_config
-from lazyzero.plan.implied import ImpliedSetup, implied_setup
-from lazyzero.plan.problem import Plan, PlanProblem
+from lazyzero.plan.deepspeed.implied import ImpliedSetup, implied_setup
+from lazyzero.plan.profile.layers import model_sizes_of
+from lazyzero.plan.profile.materialize import held_bytes, is_partitioned
+from lazyzero.plan.profile.profiler import ProfileSettings, load_or_profile, model_config_sha256
+from lazyzero.plan.solver.problem import Plan, PlanProblem
 
 # Copy-speed tests of 64 MiB instead of the profiler's default 256 MiB: a planned run profiles inside
 # its memory budget, and 64 MiB is still far beyond any cache.
@@ -39,7 +42,7 @@ class ActivePlan:
 
 def plan_run(model: torch.nn.Module, ds_config: dict, config: LazyZeroConfig, dist) -> ActivePlan:
     """Profile, plan and return the setup every rank builds its engine from (all ranks call this)."""
-    from lazyzero.plan.host_memory import bound_host_heap
+    from lazyzero.plan.deepspeed.host_memory import bound_host_heap
 
     if not torch.cuda.is_available():
         bound_host_heap()
@@ -63,10 +66,8 @@ def problem_for_run(model: torch.nn.Module, ds_config: dict, settings, dist, act
     `activations`: the run's ActivationsConfig, whose width rules (block size, kept outliers, norm and
     attention widths) the profile measures bytes, times and gradient errors under, as the plan will
     run them (None: the defaults)."""
-    from lazyzero.plan.implied import calibration_ds_config
-    from lazyzero.plan.problem_from_profile import problem_for_config, training_dtype
-    from lazyzero.plan.profile.materialize import held_bytes
-    from lazyzero.plan.profile.profiler import ProfileSettings, load_or_profile
+    from lazyzero.plan.deepspeed.implied import calibration_ds_config
+    from lazyzero.plan.deepspeed.problem_from_profile import problem_for_config, training_dtype
 
     if settings.gpu_mem is not None and not torch.cuda.is_available():
         raise ValueError(f"lazyzero.plan.gpu_mem: got {settings.gpu_mem}; allowed: null on a machine without CUDA "
@@ -86,7 +87,7 @@ def problem_for_run(model: torch.nn.Module, ds_config: dict, settings, dist, act
                               activations=activations,
                               settings=ProfileSettings(host_copy_bytes=size, nvme_bytes=size, device_copy_bytes=size),
                               log=lambda line: print(line, flush=True), engine_config=engine_config)
-    from lazyzero.plan.host_memory import resident_bytes
+    from lazyzero.plan.deepspeed.host_memory import resident_bytes
 
     # What this rank holds besides the model, now, just before the engine is built: that stays.
     # (Of a model partitioned by zero.Init, a rank holds its partitions; the plan counts those.)
@@ -114,7 +115,6 @@ def cast_to_training_dtype(model: torch.nn.Module, dtype: torch.dtype) -> None:
     """DeepSpeed casts whole parameters to the training dtype when it partitions them; doing it first
     makes the profile time the layers in the dtype they will train in. A model zero.Init partitioned
     already has the dtype zero.Init gave it (its config's), which casting cannot change."""
-    from lazyzero.plan.profile.materialize import is_partitioned
 
     found = next(p.dtype for p in model.parameters() if p.is_floating_point())
     if found == dtype:
@@ -128,24 +128,10 @@ def cast_to_training_dtype(model: torch.nn.Module, dtype: torch.dtype) -> None:
     model.to(dtype)
 
 
-def model_sizes_of(model: torch.nn.Module, world_size: int):
-    """The element counts the ZeRO-3 settings are sized from, read off the model itself (whole sizes
-    of partitioned parameters)."""
-    from lazyzero.plan.implied import ModelSizes
-    from lazyzero.plan.profile.layers import decoder_layers
-    from lazyzero.plan.profile.materialize import full_numel
-
-    layers = list(decoder_layers(model).values())
-    return ModelSizes(largest_layer_numel=max(sum(full_numel(p) for p in layer.parameters()) for layer in layers),
-                      largest_tensor_numel=max(full_numel(p) for p in model.parameters()),
-                      tensors_per_layer=max(len(list(layer.parameters())) for layer in layers), world_size=world_size)
-
-
 def _profile_path(settings, model: torch.nn.Module) -> str:
     """`plan.profile_path`, else one file per model architecture in the user's cache folder."""
     import os
 
-    from lazyzero.plan.profile.profiler import model_config_sha256
 
     if settings.profile_path is not None:
         return settings.profile_path
@@ -170,7 +156,7 @@ def solve_on_rank_zero(problem: PlanProblem, settings, dist, least_excess: bool 
         from rich.console import Console
 
         from lazyzero.plan import PlanInfeasible, solve
-        from lazyzero.plan.calibrate import solve_with_least_excess
+        from lazyzero.plan.deepspeed.calibrate import solve_with_least_excess
 
         with Console(stderr=True).status(f"lazyzero plan: solving ({problem.num_layers} layers, "
                                          f"limit {settings.time_limit_s:g} s)"):
@@ -190,7 +176,7 @@ def solve_on_rank_zero(problem: PlanProblem, settings, dist, least_excess: bool 
 def _budget_advice(problem: PlanProblem, settings, error) -> Exception:
     """The solver's PlanInfeasible, with the budget key to raise and about how far (searched)."""
     from lazyzero.plan import PlanInfeasible
-    from lazyzero.plan.calibrate import smallest_compute_budget
+    from lazyzero.plan.deepspeed.calibrate import smallest_compute_budget
 
     if "gpu" not in error.tiers:
         return error
@@ -237,8 +223,8 @@ def on_rank_zero(work, dist):
 def given_plan(problem: PlanProblem, path: str) -> Plan:
     """The per-layer choices of the plan in `path`, with predictions made anew for this run's problem
     (the file's were for the problem it was solved for); same layers, within every budget."""
-    from lazyzero.plan.problem import check_act_widths
-    from lazyzero.plan.simulate import check_within_budgets, evaluate_layers
+    from lazyzero.plan.solver.problem import check_act_widths
+    from lazyzero.plan.solver.simulate import check_within_budgets, evaluate_layers
 
     try:
         plan = Plan.from_json(Path(path).read_text())
@@ -292,7 +278,7 @@ def planned_zero_placement(active: ActivePlan, model: torch.nn.Module):
     placement = zero_placement_of(active, model)
     if placement is None:
         return nullcontext()
-    from lazyzero.plan.zero_placement import zero_placement
+    from lazyzero.plan.deepspeed.zero_placement import zero_placement
 
     return zero_placement(placement)
 
@@ -301,7 +287,7 @@ def check_planned_config(active: ActivePlan, config_class, model) -> None:
     """DeepSpeed's parse of the planned config can realize the plan (one step, one placement)."""
     from lazyzero.config import LazyZeroConfigError
     from lazyzero.config.errors import Problem
-    from lazyzero.plan.zero_placement import placement_problems
+    from lazyzero.plan.deepspeed.zero_placement import placement_problems
 
     problems = []
     if config_class.gradient_accumulation_steps != 1:
@@ -321,7 +307,7 @@ def zero_placement_of(active: ActivePlan | None, model: torch.nn.Module):
     zero = active.setup.ds_config.get("zero_optimization", {}) if active is not None else {}
     if all(zero.get(name, {}).get("device") != "nvme" for name in ("offload_param", "offload_optimizer")):
         return None
-    from lazyzero.plan.zero_placement import ZeroPlacement
+    from lazyzero.plan.deepspeed.zero_placement import ZeroPlacement
 
     params = active.setup.param_nvme_layers
     return ZeroPlacement(optimizer_nvme=frozenset(layer_parameter_names(model, active.setup.optimizer_nvme_layers)),
@@ -331,7 +317,7 @@ def zero_placement_of(active: ActivePlan | None, model: torch.nn.Module):
 def layer_parameter_names(model: torch.nn.Module, layers: tuple[str, ...]) -> list[str]:
     """Parameters of the problem's layers: a decoder layer's are under its module name; those of
     `EMBED_AND_HEAD` are every parameter outside the decoder layers."""
-    from lazyzero.plan.costs import EMBED_AND_HEAD, decoder_layer_index
+    from lazyzero.plan.deepspeed.costs import EMBED_AND_HEAD, decoder_layer_index
 
     names = [name for name, _ in model.named_parameters()]
     decoder = [n for n in names if decoder_layer_index(".".join(n.split(".")[:3])) is not None]

@@ -3,8 +3,8 @@
 
 from __future__ import annotations
 
-from lazyzero.plan.problem import RECOMPUTE, LayerPlan, Placement, Plan, PlanProblem, widest_activation
-from lazyzero.plan.simulate import evaluate_layers
+from lazyzero.plan.solver.problem import RECOMPUTE, LayerPlan, Placement, Plan, PlanProblem, widest_activation
+from lazyzero.plan.solver.simulate import evaluate_layers
 
 
 def _host_tier(problem: PlanProblem) -> str:

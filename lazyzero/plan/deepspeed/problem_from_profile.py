@@ -33,11 +33,11 @@ import math
 import shutil
 from dataclasses import dataclass, replace
 
-from lazyzero.plan.costs import EMBED_AND_HEAD, FP32_BYTES, QUALITY_COST_PER_FWD_S, optimizer_state_bytes
-from lazyzero.plan.implied import OPTIMIZER_SWAP_BUFFERS, PARAM_SWAP_BUFFERS_PER_TENSOR, ModelSizes
-from lazyzero.plan.problem import BIT_WIDTHS, LayerCosts, Machine, Path, PlanProblem, SnapshotMemory, Tier
+from lazyzero.plan.deepspeed.costs import EMBED_AND_HEAD, FP32_BYTES, QUALITY_COST_PER_FWD_S, optimizer_state_bytes
+from lazyzero.plan.deepspeed.implied import OPTIMIZER_SWAP_BUFFERS, PARAM_SWAP_BUFFERS_PER_TENSOR, ModelSizes
+from lazyzero.plan.deepspeed.swap_buffers import largest_sub_group_bound, optimizer_swap_bytes, parameter_swap_bytes
 from lazyzero.plan.profile.data import LayerProfile, ModelProfile
-from lazyzero.plan.swap_buffers import largest_sub_group_bound, optimizer_swap_bytes, parameter_swap_bytes
+from lazyzero.plan.solver.problem import BIT_WIDTHS, LayerCosts, Machine, Path, PlanProblem, SnapshotMemory, Tier
 
 # Quality penalty of a reduced width, in seconds-equivalent: this constant x the width's measured
 # gradient error on the layer (LayerProfile.grad_error) x the layer's forward seconds. It keeps the
@@ -88,7 +88,7 @@ def problem_from_profile(profile: ModelProfile, budgets: Budgets, shape: RankSha
     `process_bytes`: what the rank holds besides the model and the engine, measured just before the
     engine is built (the profile's leftovers and the training loop's data included); None: from the
     profile's own snapshot at its start."""
-    from lazyzero.plan.calibrate import engine_calibrated
+    from lazyzero.plan.deepspeed.calibrate import engine_calibrated
 
     machine = _machine(profile, budgets, shape)
     offloaded_grads = machine.nvme_state_takes_grads
@@ -339,7 +339,7 @@ def problem_for_config(profile: ModelProfile, ds_config: dict, settings, world_s
     share = getattr(settings, "headroom_share", None)
     if share is None:
         return problem, sizes
-    from lazyzero.plan.calibrate import headroom_budget, with_compute_capacity
+    from lazyzero.plan.deepspeed.calibrate import headroom_budget, with_compute_capacity
 
     budget = decide(lambda: headroom_budget(problem, share))
     return replace(with_compute_capacity(problem, budget.capacity_bytes), headroom=budget), sizes

@@ -5,7 +5,7 @@ host memory under the budget; "cpu": host memory beside a GPU; "nvme"). DeepSpee
 offload device for all parameters and one for all optimizer state, so, for each of the two:
 - when any layer's tensors are on NVMe, the device is "nvme" and the per-layer choice goes into
   `ImpliedSetup.param_nvme_layers` / `optimizer_nvme_layers`: a planned run places only those layers
-  on NVMe (`lazyzero/plan/zero_placement.py`), the others stay in host memory;
+  on NVMe (`lazyzero/plan/deepspeed/zero_placement.py`), the others stay in host memory;
 - host memory next to a GPU is "cpu"; a plan keeping some of them on the GPU and others off it is
   refused (`PlanNotExpressible`): DeepSpeed offloads all of a kind or none.
 - activations: per-layer widths, recomputed layers and offloaded layers in the activations section.
@@ -22,8 +22,8 @@ from dataclasses import dataclass
 
 from lazyzero.config.models import ActivationsConfig
 from lazyzero.config.optimizer_swap import PARTITIONED_BUFFER_COUNT
-from lazyzero.plan.costs import decoder_layer_index
-from lazyzero.plan.problem import Plan, PlanProblem
+from lazyzero.plan.deepspeed.costs import decoder_layer_index
+from lazyzero.plan.solver.problem import Plan, PlanProblem
 
 DEFAULT_BASE_CONFIG = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "bf16": {"enabled": True}}
 _ACTIVATION_DEFAULTS = ActivationsConfig()
@@ -146,7 +146,7 @@ def _set_optimizer_offload(zero: dict, problem: PlanProblem, plan: Plan, nvme_pa
 
 
 def calibration_ds_config(base: dict, sizes: ModelSizes, nvme_path: str | None, offload_to_nvme: bool) -> dict:
-    """The DeepSpeed config the profile's engine calibration runs (profile/engine_calibration.py): the run's own
+    """The DeepSpeed config the profile's engine calibration runs (plan/profile/engine_calibration.py): the run's own
     ZeRO-3 settings with every tensor in memory, and no "lazyzero" section."""
     config = copy.deepcopy(base)
     config.pop("lazyzero", None)

@@ -58,7 +58,7 @@ from deepspeed.utils.logging import print_dist
 
 from lazyzero.config.errors import LazyZeroConfigError, Problem
 from lazyzero.patch_point import set_state, swapped
-from lazyzero.plan.resident_gradients import ResidentGradients
+from lazyzero.plan.deepspeed.resident_gradients import ResidentGradients
 
 OPTIMIZER_DEVICE = "zero_optimization.offload_optimizer.device"
 PARAM_DEVICE = "zero_optimization.offload_param.device"

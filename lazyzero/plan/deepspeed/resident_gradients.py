@@ -84,5 +84,5 @@ class ResidentGradients:
                 "a gradient written into an NVMe-placed optimizer sub-group from outside the step "
                 "(DeepSpeed's safe_set_full_grad / set_full_grad family, Muon) is not kept by a planned run: "
                 "its step reads the gradient from DeepSpeed's flat gradient partition "
-                "(lazyzero/plan/resident_gradients.py)")
+                "(lazyzero/plan/deepspeed/resident_gradients.py)")
         return super()._writeback_swap_state(sub_group_id, write_opt_state, write_gradients)

@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import replace
 
-from lazyzero.plan.problem import (
+from lazyzero.plan.solver.problem import (
     RECOMPUTE,
     LayerPlan,
     Placement,
@@ -30,7 +30,7 @@ from lazyzero.plan.problem import (
     placement_traffic,
     widest_activation,
 )
-from lazyzero.plan.simulate import evaluate_layers
+from lazyzero.plan.solver.simulate import evaluate_layers
 
 # Tiers in the order data is pushed away from the device.
 _TIER_ORDER = ("gpu", "cpu", "nvme")

@@ -1,7 +1,7 @@
 """Planning problems corrected by measurements (docs/plan.md, "How it works" and "The calibration engines").
 
 `engine_calibrated`, before a run: the profile's engine calibration (real engines of the model cut to
-a few decoder layers, everything in memory, profile/engine_calibration.py) against what the problem predicts
+a few decoder layers, everything in memory, plan/profile/engine_calibration.py) against what the problem predicts
 for the same engines. The difference between the shallowest and the deepest engines' errors, per
 layer between them, is DeepSpeed's own cost per layer (module hooks, gathers, buckets, partition
 copies), split 1:2 into each decoder layer's forward and backward; what remains of the shallowest
@@ -21,8 +21,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from lazyzero.plan.costs import EMBED_AND_HEAD
-from lazyzero.plan.problem import LayerPlan, Machine, Plan, PlanProblem
+from lazyzero.plan.deepspeed.costs import EMBED_AND_HEAD
+from lazyzero.plan.solver.problem import LayerPlan, Machine, Plan, PlanProblem
 
 
 def engine_calibrated(problem: PlanProblem, profile, process_bytes: int) -> PlanProblem:
@@ -116,7 +116,7 @@ def _swapped_prediction(problem: PlanProblem, states: bool = True) -> float:
     """Predicted step time of an NVMe calibration engine: each decoder layer's parameters on NVMe where
     the problem allows parameters there, and (with `states`) its fp32 optimizer state; the embeddings
     and head in memory."""
-    from lazyzero.plan.simulate import evaluate_layers
+    from lazyzero.plan.solver.simulate import evaluate_layers
 
     param_tier = "nvme" if problem.param_tiers is None or "nvme" in problem.param_tiers else "gpu"
     state_tier = "nvme" if states else "gpu"
@@ -156,7 +156,7 @@ def _cut(problem: PlanProblem, decoder_layers: int) -> PlanProblem:
 def _in_memory_prediction(problem: PlanProblem) -> tuple[float, float]:
     """Predicted step time and compute-memory peak of the calibration engines: every tensor in
     memory, fp32 optimizer states, activations kept at 16 bits (the user's optimizer)."""
-    from lazyzero.plan.simulate import evaluate_layers
+    from lazyzero.plan.solver.simulate import evaluate_layers
 
     plan = evaluate_layers(problem, [LayerPlan("keep", 16, "gpu", "gpu", "gpu", False)] * problem.num_layers, "greedy")
     return plan.predicted_step_s, plan.predicted_peak_bytes["gpu"]
@@ -269,7 +269,7 @@ class HeadroomBudget:
 
 def all_in_memory_peak(problem: PlanProblem) -> int:
     """The compute-memory peak of the plan that keeps every tensor in memory, at 16 bits, fp32 states."""
-    from lazyzero.plan.simulate import evaluate_layers
+    from lazyzero.plan.solver.simulate import evaluate_layers
 
     keep = [LayerPlan("keep", 16, "gpu", "gpu", "gpu", False)] * problem.num_layers
     return round(evaluate_layers(problem, keep, "greedy").predicted_peak_bytes["gpu"])

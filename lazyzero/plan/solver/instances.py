@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from lazyzero.plan.problem import LayerCosts, Machine, Path, PlanProblem, Tier
+from lazyzero.plan.solver.problem import LayerCosts, Machine, Path, PlanProblem, Tier
 
 GB = 10**9
 

@@ -26,8 +26,8 @@ from dataclasses import asdict, dataclass, replace
 
 import torch
 
-from lazyzero.plan.calibrate import predicted_compute_peak
-from lazyzero.plan.host_memory import peak_resident_bytes, reset_peak_resident
+from lazyzero.plan.deepspeed.calibrate import predicted_compute_peak
+from lazyzero.plan.deepspeed.host_memory import peak_resident_bytes, reset_peak_resident
 
 # A run re-plans at most this often: each new plan is measured again, and a model that keeps missing
 # should be reported, not chased.
@@ -139,9 +139,9 @@ class PlanMonitor:
         """Plans the activations again with the plan's typical step time `step_s` and `check`'s peak (the
         newest: a lazy checkpoint's snapshot memory, once held, is held in every later check)."""
         from lazyzero.plan import PlanInfeasible
-        from lazyzero.plan.calibrate import calibrated_problem
-        from lazyzero.plan.engine_setup import solve_on_rank_zero
-        from lazyzero.plan.implied import implied_setup
+        from lazyzero.plan.deepspeed.calibrate import calibrated_problem
+        from lazyzero.plan.deepspeed.engine_setup import solve_on_rank_zero
+        from lazyzero.plan.deepspeed.implied import implied_setup
 
         problem = calibrated_problem(self.active.problem, self.active.plan, step_s,
                                      check.measured_peak_bytes, check.snapshot_taken)
@@ -172,7 +172,7 @@ class PlanMonitor:
     def _excess_note(self, problem, plan) -> str:
         """What planning beyond the planning budget means: into `memory_reserve` (a note), or
         beyond the user's budget itself (a warning)."""
-        from lazyzero.plan.engine_setup import budget_of
+        from lazyzero.plan.deepspeed.engine_setup import budget_of
 
         budget = budget_of(problem.machine.tiers["gpu"].capacity_bytes, self.settings)
         peak = plan.predicted_peak_bytes["gpu"]

@@ -25,7 +25,7 @@ from __future__ import annotations
 from collections import Counter, defaultdict
 from dataclasses import dataclass
 
-from lazyzero.plan.problem import (
+from lazyzero.plan.solver.problem import (
     ActTransfer,
     LayerPlan,
     Plan,

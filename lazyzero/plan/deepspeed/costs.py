@@ -15,7 +15,7 @@ import shutil
 
 from lazyzero.config.models import ActivationsConfig, OptimizerConfig
 from lazyzero.models.presets import PRESETS, ModelPreset
-from lazyzero.plan.problem import BIT_WIDTHS, LayerCosts, Machine, Path, PlanProblem, Tier
+from lazyzero.plan.solver.problem import BIT_WIDTHS, LayerCosts, Machine, Path, PlanProblem, Tier
 
 GB = 10**9
 BF16_BYTES = 2

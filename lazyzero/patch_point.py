@@ -11,7 +11,7 @@ must be composed in one place, in the open), and a replacement that would hide a
 subclass from outside DeepSpeed (lazyzero's own, such as TieredZeroOptimizer_Stage3, or a user's)
 unless the caller says why that is correct (`over_override`). Every change is
 logged with DeepSpeed's version (`applied_patches`). The map of changes and why each is needed:
-docs/deepspeed-internals.md, "Where lazyzero changes DeepSpeed".
+docs/patch-point.md.
 
 Kinds:
 - REPLACE: a method replaced on one object; the new function runs instead of DeepSpeed's and takes

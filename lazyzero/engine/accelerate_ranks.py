@@ -1,5 +1,4 @@
-"""Accelerate on CPU ranks under a multi-rank launch (docs/deepspeed-internals.md, "Trainers that call
-`deepspeed.initialize`").
+"""Accelerate on CPU ranks under a multi-rank launch (docs/trainers.md).
 
 Accelerate counts its processes when its state is first built (`PartialState.__init__`): it asks
 `_prepare_backend` for the distributed backend of the machine's accelerator and, with the CPU device,

@@ -4,7 +4,7 @@
 The Hugging Face Trainer (through Accelerate), Accelerate scripts and Lightning call
 `deepspeed.initialize` themselves, from the user's DeepSpeed JSON, after filling in its "auto"
 values; they look the function up on the module at each call, so routing the module attribute
-reaches all of them (docs/deepspeed-internals.md, "Where lazyzero changes DeepSpeed"). A config
+reaches all of them (docs/patch-point.md). A config
 without the section goes to DeepSpeed's own function untouched, so such runs are plain DeepSpeed.
 """
 

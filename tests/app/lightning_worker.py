@@ -5,8 +5,7 @@
 Lightning's DeepSpeedStrategy refuses any accelerator but CUDA in `setup_environment`
 (lightning/pytorch/strategies/deepspeed.py, `DeepSpeedStrategy.setup_environment`), before it reaches
 DeepSpeed (tests/app/test_lightning.py shows it); this script uses `CpuDeepSpeedStrategy`, the same
-strategy without that one check, the nearest path that runs here (docs/deepspeed-internals.md,
-"Trainers that call `deepspeed.initialize`").
+strategy without that one check, the nearest path that runs here (docs/trainers.md).
 
 Arguments: OUT_DIR DS_CONFIG [STEPS [resume CKPT_DIR | last]]. An epoch is one batch per rank, the
 same in every epoch, and ModelCheckpoint saves every SAVE_EVERY epochs (keeping all: its save_top_k=1

@@ -5,7 +5,7 @@ ds_configs/cpu_hf_trainer.json less the values Lightning sets itself. Real proce
 Lightning's DeepSpeedStrategy runs on CUDA only: `setup_environment` refuses the CPU accelerator
 before DeepSpeed is reached. The runs here use the same strategy with that one check taken out
 (`CpuDeepSpeedStrategy` in the worker), the nearest path that runs on this machine
-(docs/deepspeed-internals.md, "Trainers that call `deepspeed.initialize`")."""
+(docs/trainers.md)."""
 
 import json
 from pathlib import Path

@@ -8,7 +8,7 @@ use, so that `lazyzero config check` stays fast (docs/architecture.md).
 from lazyzero._version import __version__
 
 # deepspeed.initialize's default port, without importing DeepSpeed (the module imports only the standard library).
-from lazyzero.engine.deepspeed_route import DEEPSPEED_DEFAULT_PORT
+from lazyzero.engine.deepspeed_args import DEEPSPEED_DEFAULT_PORT
 
 __all__ = ["initialize", "patch_deepspeed", "unpatch_deepspeed", "LazyZeroEngine", "LazyZeroConfig",
            "LazyZeroConfigError", "TrainerLogsCallback", "__version__"]

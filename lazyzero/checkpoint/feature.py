@@ -16,7 +16,7 @@ from lazyzero.checkpoint.lazy_engine import CheckpointFailedError
 from lazyzero.checkpoint.manifest import CheckpointDamagedError
 from lazyzero.checkpoint.nvme_restore import replay_cpu_adam_after_load, restore_nvme_offloaded_state
 from lazyzero.checkpoint.preemption import StopOnSigterm, stop_message
-from lazyzero.checkpoint.trainer_folders import route_trainer_folder_rules, unroute_trainer_folder_rules
+from lazyzero.checkpoint.trainer_routes import route_trainer_folder_rules, unroute_trainer_folder_rules
 from lazyzero.checkpoint.verified_read import VerifiedFiles
 from lazyzero.feature import Feature
 

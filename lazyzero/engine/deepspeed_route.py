@@ -12,12 +12,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from lazyzero.engine.deepspeed_args import DEEPSPEED_DEFAULT_PORT, config_in_args
+
 OWNER = "lazyzero.patch_deepspeed"
 SECTION = "lazyzero"
-# DeepSpeed's TORCH_DISTRIBUTED_DEFAULT_PORT (deepspeed/constants.py), the default of deepspeed.initialize's
-# distributed_port; written out so that `import lazyzero` does not import DeepSpeed.
-# tests/engine/test_public_api.py keeps every signature here equal to DeepSpeed's.
-DEEPSPEED_DEFAULT_PORT = 29500
 
 
 def patch_deepspeed() -> None:
@@ -76,15 +74,6 @@ def initialize_from_any_caller(args=None, model=None, optimizer=None, model_para
 
 def has_lazyzero_section(ds_config: Any) -> bool:
     return isinstance(ds_config, dict) and SECTION in ds_config
-
-
-def config_in_args(args: Any) -> Any:
-    """The config `args` names: `args.deepspeed_config`, or the deprecated `args.deepscale_config`
-    that DeepSpeed's initialize still reads; both given is refused, as there."""
-    current, deprecated = getattr(args, "deepspeed_config", None), getattr(args, "deepscale_config", None)
-    if current is not None and deprecated is not None:
-        raise ValueError("args gives both deepspeed_config and the deprecated deepscale_config; give deepspeed_config")
-    return current if current is not None else deprecated
 
 
 def _readable_config(args: Any, config: Any) -> Any:

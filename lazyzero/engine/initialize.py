@@ -12,7 +12,7 @@ from typing import Any, Callable, Optional, Union
 import torch
 
 from lazyzero.config import load_ds_config_file, validate_ds_config
-from lazyzero.engine.deepspeed_route import DEEPSPEED_DEFAULT_PORT, config_in_args
+from lazyzero.engine.deepspeed_args import DEEPSPEED_DEFAULT_PORT, config_in_args
 
 
 def initialize(

@@ -9,7 +9,7 @@ from contextlib import nullcontext
 from lazyzero.feature import Feature
 from lazyzero.optimizer import engine_setup, zero3_reshard
 from lazyzero.optimizer import reshard as optimizer_reshard
-from lazyzero.optimizer.nvme_swap import eight_bit_state_swapping
+from lazyzero.optimizer.state_swapping import eight_bit_state_swapping
 
 
 class EightBitOptimizerFeature(Feature):

@@ -23,9 +23,7 @@ from __future__ import annotations
 
 import math
 import os
-from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterator
 
 import torch
 from deepspeed.runtime.swap_tensor.optimizer_utils import OptimizerSwapper
@@ -33,7 +31,6 @@ from deepspeed.runtime.swap_tensor.partitioned_optimizer_swapper import Partitio
 from deepspeed.runtime.swap_tensor.utils import swap_in_tensors, swap_out_tensors
 
 from lazyzero.optimizer.adam8bit_optimizer import CODE_KEYS, EIGHT_BIT_KEYS, SCALE_KEYS
-from lazyzero.patch_point import swapped
 
 PACKED_FILE_SUFFIX = ".adam8bit.swp"
 
@@ -193,22 +190,3 @@ class EightBitStateSwapper(PackedStateSwapping, PartitionedOptimizerSwapper):
         buffer = self._submit_packed_read(self.aio_handle, parameter)
         assert self.aio_handle.wait() == 1, f"reading {self.packed_path(parameter)} failed"
         self._resident_packed[self._id(parameter)] = buffer
-
-
-@contextmanager
-def eight_bit_state_swapping() -> Iterator[None]:
-    """While active, a ZeRO-3 optimizer being built swaps with `EightBitStateSwapper`, or with
-    `EightBitPipelinedSwapper` where `pipeline_read` or `pipeline_write` is set.
-
-    `DeepSpeedZeroOptimizer_Stage3._configure_tensor_swapping` picks its swapper class from two
-    globals of its module at construction; the swaps (through lazyzero.patch_point) last only for that
-    construction.
-    """
-    from deepspeed.runtime.zero import stage3
-
-    from lazyzero.optimizer.nvme_swap_pipelined import EightBitPipelinedSwapper
-
-    owner = "lazyzero.optimizer (NVMe swap)"
-    with swapped(stage3, "PartitionedOptimizerSwapper", EightBitStateSwapper, owner=owner), \
-            swapped(stage3, "PipelinedOptimizerSwapper", EightBitPipelinedSwapper, owner=owner):
-        yield

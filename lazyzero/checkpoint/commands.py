@@ -38,7 +38,6 @@ from lazyzero.checkpoint.manifest import (
     read_manifest,
     resolve_tag_to_load,
 )
-from lazyzero.safe_load import UnreadableCheckpointFile, UnsafeCheckpointFile, is_zip_format, load_checkpoint_file
 
 DAMAGED = 1
 USAGE_ERROR = 2
@@ -190,12 +189,10 @@ def export_command(args: argparse.Namespace) -> int:
     if not _verify_and_report(root / tag):
         print(f"not exporting {tag}: it is damaged", file=sys.stderr)
         return DAMAGED
-    if fp32_file is not None:
-        try:
-            _check_loads_without_code(root / tag)
-        except (UnsafeCheckpointFile, UnreadableCheckpointFile) as err:
-            print(f"not exporting {tag}: {err}", file=sys.stderr)
-            return DAMAGED
+    refusal = _why_not_loadable_without_code(root / tag) if fp32_file is not None else None
+    if refusal is not None:
+        print(f"not exporting {tag}: {refusal}", file=sys.stderr)
+        return DAMAGED
     linked, copied = write_deepspeed_folder(root / tag, out)
     print(f"exported {tag} to {out}: {linked} file(s) hard-linked, {copied} copied")
     if fp32_file is not None:
@@ -330,16 +327,22 @@ def _aligned(rows: list[tuple[str, ...]]) -> str:
     return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows)
 
 
-def _check_loads_without_code(tag_dir: Path) -> None:
+def _why_not_loadable_without_code(tag_dir: Path) -> str | None:
     """zero_to_fp32 unpickles every file with weights_only=False: each torch file the (verified)
     manifest lists is first loaded the safe way (memory-mapped, so no bytes are copied), and one that
-    would run code stops the export (UnsafeCheckpointFile naming it). zero_to_fp32 memory-maps the
-    optimizer files, which torch refuses for its legacy format: such a file stops the export too."""
+    would run code stops the export (the refusal names it). zero_to_fp32 memory-maps the optimizer
+    files, which torch refuses for its legacy format: such a file stops the export too."""
+    # torch, imported here to keep it off `lazyzero --help` (docs/architecture.md).
+    from lazyzero.safe_load import UnreadableCheckpointFile, UnsafeCheckpointFile, is_zip_format, load_checkpoint_file
+
     for relpath in sorted(read_manifest(tag_dir).files):
         path = tag_dir / relpath
         if relpath.endswith(MEMORY_MAPPED_BY_ZERO_TO_FP32) and not is_zip_format(path):
-            raise UnreadableCheckpointFile(
-                f"{path}: in torch's legacy (non-zip) format, which DeepSpeed's zero_to_fp32 memory-maps and torch "
-                "cannot; load it and save it again with torch.save's default format to export its fp32 weights")
+            return (f"{path}: in torch's legacy (non-zip) format, which DeepSpeed's zero_to_fp32 memory-maps and torch "
+                    "cannot; load it and save it again with torch.save's default format to export its fp32 weights")
         if relpath.endswith(".pt"):
-            load_checkpoint_file(path, "cpu", mmap=True)
+            try:
+                load_checkpoint_file(path, "cpu", mmap=True)
+            except (UnsafeCheckpointFile, UnreadableCheckpointFile) as refusal:
+                return str(refusal)
+    return None

@@ -1,30 +1,26 @@
 """Model presets and builders: real transformers architectures, randomly initialized or loaded with
-real pretrained weights from local files, never downloaded."""
+real pretrained weights from local files, never downloaded.
 
-from lazyzero.models.build import ATTENTION_IMPLEMENTATION, build_model
-from lazyzero.models.config import DEFAULT_FAMILY, FAMILIES, model_config
-from lazyzero.models.params import count_parameters
-from lazyzero.models.presets import PRESETS, ModelPreset
-from lazyzero.models.pretrained import (
-                                        NAMED_MODELS,
-                                        REAL_MODEL_INSTALL,
-                                        MissingModelPackage,
-                                        PretrainedFiles,
-                                        pretrained_files,
-)
+Names are resolved on first use (PEP 562), so that reading the presets (`lazyzero.models.presets`,
+the command line's help) imports neither torch nor transformers."""
 
-__all__ = [
-    "ATTENTION_IMPLEMENTATION",
-    "DEFAULT_FAMILY",
-    "FAMILIES",
-    "NAMED_MODELS",
-    "PRESETS",
-    "REAL_MODEL_INSTALL",
-    "MissingModelPackage",
-    "ModelPreset",
-    "PretrainedFiles",
-    "build_model",
-    "count_parameters",
-    "model_config",
-    "pretrained_files",
-]
+import importlib
+
+_WHERE = {
+    "ATTENTION_IMPLEMENTATION": "build", "build_model": "build",
+    "DEFAULT_FAMILY": "config", "FAMILIES": "config", "model_config": "config",
+    "count_parameters": "params",
+    "PRESETS": "presets", "ModelPreset": "presets",
+    "NAMED_MODELS": "pretrained", "REAL_MODEL_INSTALL": "pretrained", "MissingModelPackage": "pretrained",
+    "PretrainedFiles": "pretrained", "pretrained_files": "pretrained",
+}
+
+__all__ = sorted(_WHERE)
+
+
+def __getattr__(name: str):
+    if name not in _WHERE:
+        raise AttributeError(f"module 'lazyzero.models' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"lazyzero.models.{_WHERE[name]}"), name)
+    globals()[name] = value
+    return value

@@ -93,3 +93,15 @@ def test_env_survives_a_probe_that_fails(monkeypatch):
     report = environment.environment_report()
     assert report["MPI"] == ["probe failed: OSError: no such library"]
     assert "## MPI\n  probe failed" in environment.format_report(report)
+
+
+def test_help_loads_no_heavy_library():
+    """`lazyzero --help` answers at once: building the parser imports neither torch, DeepSpeed,
+    transformers nor the MILP solver (names resolved on first use: lazyzero.models, lazyzero.plan)."""
+    probe = ("import sys\nfrom lazyzero.cli import build_parser\nbuild_parser().format_help()\n"
+             "print(sorted(m for m in ('torch', 'deepspeed', 'transformers', 'mip') if m in sys.modules))")
+    proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[]", proc.stdout
+    help_text = _lazyzero("--help")
+    assert help_text.returncode == 0 and "ckpt" in help_text.stdout

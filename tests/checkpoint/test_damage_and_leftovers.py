@@ -163,8 +163,11 @@ def test_resume_from_a_damaged_shard_fails_naming_the_file(save_dir, tmp_path, l
     assert not (tmp_path / "resumed" / "metrics.jsonl").exists()
     # One line, the last rank 0 prints: the file, what was expected and found (distributed/refusal_line.py).
     refusal = rank0.strip().splitlines()[-1]
-    assert refusal.startswith(f"lazyzero: CheckpointDamagedError: checkpoint {save_dir / TAG} is damaged "
-                              f"(1 problem(s)): {path}: expected xxh3_128 "), rank0[-3000:]
+    # It says that the newest checkpoint, the one a resume picks, is damaged, and names the older one it
+    # could load instead (lazyzero.checkpoint.on_damaged_latest: stop, the default).
+    assert refusal.startswith(f"lazyzero: CheckpointDamagedError: {save_dir}: the newest checkpoint, {TAG!r}, "
+                              f"is damaged: checkpoint {save_dir / TAG} is damaged (1 problem(s)): {path}: "
+                              "expected xxh3_128 "), rank0[-3000:]
     # Rank 1 refused the same way (every rank verifies the whole tag): from the launcher's view the message
     # reads once, and rank 1's last line points to rank 0's.
     assert rank1.strip().splitlines()[-1] == ("lazyzero: rank 1 stopped on the same refusal as rank 0 "

@@ -2,6 +2,7 @@
 LazyZeroEngine for a config with a "lazyzero" section, plain DeepSpeed's engine for any other; the
 patch is declared, idempotent and undone by `unpatch_deepspeed`."""
 
+import importlib.util
 import inspect
 import json
 from pathlib import Path
@@ -41,10 +42,11 @@ def test_patch_routes_deepspeed_initialize_once_and_unpatch_restores_the_origina
     # With the trainers installed, their folder rules are routed too (checkpoint/trainer_folders.py), the
     # Trainer's default callbacks get the end-of-training one (checkpoint/trainer_end.py), and Accelerate's
     # count of CPU ranks is routed (engine/accelerate_ranks.py).
+    lightning = [("lightning.pytorch.callbacks.model_checkpoint:ModelCheckpoint._find_last_checkpoints", OWNER)]
     assert [(p.target, p.owner) for p in applied_patches()[before:]] == [
         ("deepspeed:initialize", OWNER), ("transformers.trainer_utils:get_last_checkpoint", OWNER),
         ("transformers.trainer:rotate_checkpoints", OWNER), ("transformers.trainer:DEFAULT_CALLBACKS", OWNER),
-        ("lightning.pytorch.callbacks.model_checkpoint:ModelCheckpoint._find_last_checkpoints", OWNER),
+        *(lightning if importlib.util.find_spec("lightning") else []),  # an optional library (the trainers extra)
         ("accelerate.accelerator:Accelerator.load_state", OWNER),
         ("accelerate.state:PartialState._prepare_backend", OWNER)]
     from transformers import trainer

@@ -4,6 +4,7 @@ every change lazyzero makes, its refusals hold, and no other file of the package
 from __future__ import annotations
 
 import ast
+import importlib.util
 import inspect
 import re
 from pathlib import Path
@@ -297,12 +298,17 @@ def test_fused_clipping_says_why_it_may_hide_the_tiered_norm_order():
 
 # ------------------------------------------------------- nothing else in the package changes DeepSpeed
 
+def _installed(target: str) -> bool:
+    """Whether the library a declared target lives in is installed (Lightning is optional)."""
+    return importlib.util.find_spec(target.partition(":")[0].partition(".")[0]) is not None
+
+
 def deepspeed_method_names() -> set[str]:
     """Names of the methods DeepSpeed's classes in the table define (their DeepSpeed bases too), less
     the names DeepSpeed's own modules use as data on self (the engine's `dynamic_loss_scale()` is a
     flag on the ZeRO optimizers)."""
     classes = {resolve_target(point.target.rpartition(".")[0]) for point in PATCH_POINTS
-               if "." in point.target.partition(":")[2]}
+               if "." in point.target.partition(":")[2] and _installed(point.target)}
     bases = {base for cls in classes for base in cls.__mro__ if base.__module__.startswith("deepspeed.")}
     methods = {name for base in bases for name, value in vars(base).items() if inspect.isfunction(value)}
     data = {name for module in {inspect.getmodule(base) for base in bases}

@@ -23,20 +23,10 @@ import sys
 from pathlib import Path
 
 import torch
-from lazy_ckpt_worker import BATCH, INPUTS, OUTPUTS, build_model, ds_config
+from lazy_ckpt_worker import build_model, ds_config, train_step
 
 import lazyzero
 from lazyzero.testing import worker_args
-
-
-def train_step(engine, step: int) -> float:
-    generator = torch.Generator().manual_seed(1000 * step + engine.global_rank)
-    inputs = torch.randn(BATCH, INPUTS, generator=generator)
-    targets = torch.randn(BATCH, OUTPUTS, generator=generator)
-    loss = torch.nn.functional.mse_loss(engine(inputs), targets)
-    engine.backward(loss)
-    engine.step()
-    return loss.item()
 
 
 def sigterm_step(rank: int) -> int | None:
@@ -59,7 +49,7 @@ def main() -> None:
     (Path(out) / f"pid_rank{rank}").write_text(str(os.getpid()))
     with open(Path(out) / f"losses_rank{rank}.jsonl", "a") as record:
         for step in range(engine.global_steps + 1, steps + 1):
-            loss = train_step(engine, step)
+            loss = train_step(engine, step).item()
             record.write(json.dumps({"step": step, "loss": loss}) + "\n")
             record.flush()
             if step % save_every == 0:

@@ -82,13 +82,14 @@ def new_engine(stage: int, **checkpoint):
     return engine
 
 
-def train_step(engine, step: int) -> None:
+def train_step(engine, step: int) -> torch.Tensor:
     generator = torch.Generator().manual_seed(1000 * step + engine.global_rank)
     inputs = torch.randn(BATCH, INPUTS, generator=generator)
     targets = torch.randn(BATCH, OUTPUTS, generator=generator)
     loss = torch.nn.functional.mse_loss(engine(inputs), targets)
     engine.backward(loss)
     engine.step()
+    return loss
 
 
 def flatten(value, prefix: str = "") -> dict:

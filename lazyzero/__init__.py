@@ -5,6 +5,7 @@ Importing lazyzero never compiles anything and never imports DeepSpeed: `initial
 use, so that `lazyzero config check` stays fast (docs/architecture.md).
 """
 
+from lazyzero._lazy_names import lazy_names
 from lazyzero._version import __version__
 
 # deepspeed.initialize's default port, without importing DeepSpeed (the module imports only the standard library).
@@ -49,17 +50,8 @@ def unpatch_deepspeed():
     return unroute()
 
 
-def __getattr__(name):
-    if name == "LazyZeroEngine":
-        from lazyzero.engine.engine import LazyZeroEngine
+# `TrainerLogsCallback` imports transformers; `LazyZeroConfig` is the config package's own lazy name.
+_HOMES = {"LazyZeroEngine": "engine.engine", "TrainerLogsCallback": "engine.trainer_logs",
+          "LazyZeroConfig": "config", "LazyZeroConfigError": "config"}
 
-        return LazyZeroEngine
-    if name == "TrainerLogsCallback":  # imports transformers
-        from lazyzero.engine.trainer_logs import TrainerLogsCallback
-
-        return TrainerLogsCallback
-    if name in ("LazyZeroConfig", "LazyZeroConfigError"):
-        from lazyzero import config
-
-        return getattr(config, name)
-    raise AttributeError(f"module 'lazyzero' has no attribute {name!r}")
+__getattr__, __dir__ = lazy_names(__name__, _HOMES)

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "lazyzero"
-FOUNDATION = {"config", "ops", "distributed", "models", "docs", "patch_point", "safe_load", "feature", "_version"}
+FOUNDATION = {"config", "ops", "distributed", "models", "docs", "patch_point", "safe_load", "feature", "_version",
+              "_lazy_names"}
 CAPABILITIES = {"gradients", "optimizer", "activations", "checkpoint", "plan"}
 LAYER = {**{name: 0 for name in FOUNDATION}, **{name: 1 for name in CAPABILITIES}, "engine": 2,
          "app": 3, "train": 3, "cli": 3, "testing": 4,

@@ -7,7 +7,7 @@ bytes in an `ActivationAccounting`; `pipeline_stage_bits` is AGoQ's rule for pip
 them back ahead of their backward (docs/plan.md).
 """
 
-from importlib import import_module
+from lazyzero._lazy_names import lazy_names
 
 # Resolved on first use, so that importing `lazyzero.activations.config` (composed by `lazyzero.config`,
 # which imports neither torch nor DeepSpeed) does not import the hooks and torch with it.
@@ -20,28 +20,5 @@ _HOMES = {
     **dict.fromkeys(('one_f_one_b_in_flight', 'pipeline_stage_bits'), "stages"),
 }
 
-
-def __getattr__(name: str):
-    if name not in _HOMES:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(import_module(f"{__name__}.{_HOMES[name]}"), name)
-    globals()[name] = value
-    return value
-
-
-__all__ = [
-    "ActivationAccounting",
-    "ActivationOffloader",
-    "ActivationPacker",
-    "ActivationPolicy",
-    "AioSettings",
-    "ModuleBits",
-    "OffloadedStorage",
-    "PackedView",
-    "SavedBytes",
-    "classify_module",
-    "is_decoder_layer",
-    "layer_index",
-    "one_f_one_b_in_flight",
-    "pipeline_stage_bits",
-]
+__getattr__, __dir__ = lazy_names(__name__, _HOMES)
+__all__ = sorted(_HOMES)

@@ -8,7 +8,7 @@ use, so that a capability's section module (`lazyzero/gradients/config.py`), whi
 here and is composed by `models.py`, can be imported first without a cycle.
 """
 
-from importlib import import_module
+from lazyzero._lazy_names import lazy_names
 
 _HOMES = {
     "LazyZeroConfigError": "errors",
@@ -20,29 +20,5 @@ _HOMES = {
     "check_config_file": "validate", "load_ds_config_file": "validate", "validate_ds_config": "validate",
 }
 
-
-def __getattr__(name: str):
-    if name not in _HOMES:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(import_module(f"{__name__}.{_HOMES[name]}"), name)
-    globals()[name] = value
-    return value
-
-
-__all__ = [
-    "ActivationsConfig",
-    "CheckpointConfig",
-    "DistributedConfig",
-    "GradientsConfig",
-    "LazyZeroConfig",
-    "LazyZeroConfigError",
-    "OptimizerConfig",
-    "PlanConfig",
-    "check_config_file",
-    "config_reference_markdown",
-    "format_config_summary",
-    "load_ds_config_file",
-    "parse_memory_size",
-    "trainer_filled_keys",
-    "validate_ds_config",
-]
+__getattr__, __dir__ = lazy_names(__name__, _HOMES)
+__all__ = sorted(_HOMES)

@@ -9,7 +9,8 @@ of docs/reliability.md row 8 are computed from the scales (`ReduceScatterResult.
 
 import sys
 import types
-from importlib import import_module
+
+from lazyzero._lazy_names import lazy_names
 
 # Resolved on first use, so that importing `lazyzero.gradients.config` (composed by `lazyzero.config`,
 # which imports neither torch nor DeepSpeed) does not import the collectives and torch with it.
@@ -24,13 +25,8 @@ _HOMES = {
     "two_hop_reduce_scatter": "two_hop",
 }
 
-
-def __getattr__(name: str):
-    if name not in _HOMES:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(import_module(f"{__name__}.{_HOMES[name]}"), name)
-    globals()[name] = value
-    return value
+__getattr__, __dir__ = lazy_names(__name__, _HOMES)
+__all__ = sorted(_HOMES)
 
 
 class _Package(types.ModuleType):
@@ -46,21 +42,3 @@ class _Package(types.ModuleType):
 
 sys.modules[__name__].__class__ = _Package
 
-
-__all__ = [
-    "AllReduceResult",
-    "ChunkLayout",
-    "ExchangeBuffers",
-    "NodeGroups",
-    "ReduceScatterResult",
-    "TwoHopResult",
-    "build_node_groups",
-    "any_nonfinite",
-    "deepspeed_chunk_length",
-    "group_ranks",
-    "quantized_all_reduce",
-    "quantized_reduce_scatter",
-    "reduce_scatter_error_bound",
-    "requantization_error_bound",
-    "two_hop_reduce_scatter",
-]

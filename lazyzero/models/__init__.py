@@ -4,9 +4,9 @@ real pretrained weights from local files, never downloaded.
 Names are resolved on first use (PEP 562), so that reading the presets (`lazyzero.models.presets`,
 the command line's help) imports neither torch nor transformers."""
 
-import importlib
+from lazyzero._lazy_names import lazy_names
 
-_WHERE = {
+_HOMES = {
     "ATTENTION_IMPLEMENTATION": "build", "build_model": "build",
     "DEFAULT_FAMILY": "config", "FAMILIES": "config", "model_config": "config",
     "count_parameters": "params",
@@ -15,12 +15,5 @@ _WHERE = {
     "PretrainedFiles": "pretrained", "pretrained_files": "pretrained",
 }
 
-__all__ = sorted(_WHERE)
-
-
-def __getattr__(name: str):
-    if name not in _WHERE:
-        raise AttributeError(f"module 'lazyzero.models' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"lazyzero.models.{_WHERE[name]}"), name)
-    globals()[name] = value
-    return value
+__getattr__, __dir__ = lazy_names(__name__, _HOMES)
+__all__ = sorted(_HOMES)

@@ -1,15 +1,10 @@
 """lazyzero's optimizers: Adam/AdamW with block-wise 8-bit states and fused clipping."""
 
-from importlib import import_module
+from lazyzero._lazy_names import lazy_names
 
-__all__ = ["Adam8bit", "AdamW8bit"]
+# Resolved on first use, so that importing `lazyzero.optimizer.config` (composed by `lazyzero.config`,
+# which imports neither torch nor DeepSpeed) does not import the optimizers and torch with it.
+_HOMES = dict.fromkeys(("Adam8bit", "AdamW8bit"), "adam8bit_optimizer")
 
-
-def __getattr__(name: str):
-    # Resolved on first use, so that importing `lazyzero.optimizer.config` (composed by `lazyzero.config`,
-    # which imports neither torch nor DeepSpeed) does not import the optimizers and torch with it.
-    if name not in __all__:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(import_module("lazyzero.optimizer.adam8bit_optimizer"), name)
-    globals()[name] = value
-    return value
+__getattr__, __dir__ = lazy_names(__name__, _HOMES)
+__all__ = sorted(_HOMES)

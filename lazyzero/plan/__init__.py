@@ -4,24 +4,16 @@ baselines it is compared with, and a step simulator that checks any plan against
 The names below live in `lazyzero.plan.solver` and are resolved on first use (PEP 562), so that the
 command line's help does not load the MILP solver."""
 
-import importlib
+from lazyzero._lazy_names import lazy_names
 
-_WHERE = {
-    "deepspeed_default_plan": "baselines", "fixed_rule_plan": "baselines",
-    "greedy_plan": "greedy",
-    "SolverFoundNoPlan": "milp", "build_model": "milp", "solve": "milp",
-    "ActTransfer": "problem", "LayerCosts": "problem", "LayerPlan": "problem", "Machine": "problem", "Path": "problem",
-    "Plan": "problem", "PlanInfeasible": "problem", "PlanProblem": "problem", "Tier": "problem",
-    "BudgetExceeded": "simulate", "StepSimulation": "simulate", "check_within_budgets": "simulate",
-    "simulate": "simulate",
+_HOMES = {
+    **dict.fromkeys(("deepspeed_default_plan", "fixed_rule_plan"), "solver.baselines"),
+    "greedy_plan": "solver.greedy",
+    **dict.fromkeys(("SolverFoundNoPlan", "build_model", "solve"), "solver.milp"),
+    **dict.fromkeys(("ActTransfer", "LayerCosts", "LayerPlan", "Machine", "Path", "Plan", "PlanInfeasible",
+                     "PlanProblem", "Tier"), "solver.problem"),
+    **dict.fromkeys(("BudgetExceeded", "StepSimulation", "check_within_budgets", "simulate"), "solver.simulate"),
 }
 
-__all__ = sorted(_WHERE)
-
-
-def __getattr__(name: str):
-    if name not in _WHERE:
-        raise AttributeError(f"module 'lazyzero.plan' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"lazyzero.plan.solver.{_WHERE[name]}"), name)
-    globals()[name] = value
-    return value
+__getattr__, __dir__ = lazy_names(__name__, _HOMES)
+__all__ = sorted(_HOMES)

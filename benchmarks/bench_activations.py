@@ -48,8 +48,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # `common` sits beside
 from common import median_seconds, pin_threads, write_results  # noqa: E402
 
 from lazyzero.activations import ActivationPacker, ActivationPolicy  # noqa: E402
+from lazyzero.activations.config import ActivationsConfig  # noqa: E402
 from lazyzero.app.data import load_tokenizer  # noqa: E402
-from lazyzero.config.models import ActivationsConfig  # noqa: E402
 from lazyzero.models.build import build_model  # noqa: E402
 from lazyzero.plan.profile.measure import heap_live_bytes, peak_bytes  # noqa: E402
 

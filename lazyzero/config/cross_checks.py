@@ -12,13 +12,12 @@ from lazyzero.checkpoint.config import checkpoint_problems
 from lazyzero.config.errors import Problem
 from lazyzero.config.folders import WRITABLE_DIRECTORY, nvme_folder_problems
 from lazyzero.config.models import LazyZeroConfig
-from lazyzero.config.plan_checks import plan_problems
 from lazyzero.gradients.config import gradients_problems
 from lazyzero.optimizer.config import optimizer_problems
+from lazyzero.plan.config import plan_problems
 
 ZERO_STAGES = (0, 1, 2, 3)
 OFFLOAD_SECTIONS = ("offload_param", "offload_optimizer")
-
 
 def deepspeed_settings_problems(ds_config: dict) -> list[Problem]:
     """ZeRO stage and offload settings that lazyzero builds on."""
@@ -36,7 +35,6 @@ def deepspeed_settings_problems(ds_config: dict) -> list[Problem]:
         problems += _offload_problems(f"zero_optimization.{name}", zero.get(name))
     return problems
 
-
 def lazyzero_against_deepspeed_problems(config: LazyZeroConfig, ds_config: dict,
                                         world_size: Optional[int]) -> list[Problem]:
     """Options of the "lazyzero" section that contradict DeepSpeed's, or this machine."""
@@ -50,7 +48,6 @@ def lazyzero_against_deepspeed_problems(config: LazyZeroConfig, ds_config: dict,
     problems += plan_problems(config, ds_config)
     return problems
 
-
 def _parameter_offload_conflicts(offload: Any, stage: int) -> list[Problem]:
     if not isinstance(offload, dict) or offload.get("device", "none") == "none" or stage == 3:
         return []
@@ -58,7 +55,6 @@ def _parameter_offload_conflicts(offload: Any, stage: int) -> list[Problem]:
         "zero_optimization.offload_param.device", offload["device"], "'none' unless zero_optimization.stage is 3",
         f"zero_optimization.stage is {stage}, and DeepSpeed offloads parameters only in stage 3; "
         "it would silently keep them on the device")]
-
 
 def _offload_problems(path: str, offload: Any) -> list[Problem]:
     if offload is None:

@@ -33,7 +33,7 @@ class ConfigSection(BaseModel):
     """Field -> {value it no longer takes -> hint added to the problem after what is allowed}."""
 
     planned_fields: ClassVar[tuple[str, ...]] = ()
-    """Fields the memory planner sets when `lazyzero.plan.enabled` is true (lazyzero/config/plan_checks.py):
+    """Fields the memory planner sets when `lazyzero.plan.enabled` is true (lazyzero/plan/config.py):
     a value given for one is refused, and a new plan replaces them while the section's other fields stay."""
 
     model_config = ConfigDict(

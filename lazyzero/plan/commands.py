@@ -25,8 +25,8 @@ def _memory_size(text: str) -> int:
 
 
 def add_plan_command(sub) -> None:
-    from lazyzero.config.models import PlanConfig
     from lazyzero.models.presets import PRESETS
+    from lazyzero.plan.config import PlanConfig
 
     plan = sub.add_parser("plan", help="plan memory placement and precision (from a preset or a measured profile)")
     source = plan.add_mutually_exclusive_group(required=True)

@@ -12,7 +12,7 @@ from lazyzero.activations import (
     one_f_one_b_in_flight,
     pipeline_stage_bits,
 )
-from lazyzero.config.models import ActivationsConfig
+from lazyzero.activations.config import ActivationsConfig
 from lazyzero.models import build_model
 
 LLAMA_LIKE_NAMES = {

@@ -6,7 +6,7 @@ import torch.nn.functional as F
 
 from lazyzero.activations import ActivationPacker, ActivationPolicy
 from lazyzero.activations.attention_values import AttentionRoles
-from lazyzero.config.models import ActivationsConfig
+from lazyzero.activations.config import ActivationsConfig
 from lazyzero.models.build import build_model
 
 

@@ -5,7 +5,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from lazyzero.activations import ActivationPacker, ActivationPolicy, loss_head
-from lazyzero.config.models import ActivationsConfig
+from lazyzero.activations.config import ActivationsConfig
 
 VOCAB, HIDDEN = 1000, 64
 

@@ -21,7 +21,7 @@ import torch
 
 from lazyzero.activations import ActivationPacker, ActivationPolicy
 from lazyzero.activations import offload as offload_module
-from lazyzero.config.models import ActivationsConfig
+from lazyzero.activations.config import ActivationsConfig
 from lazyzero.models.build import build_model
 
 BATCH, SEQ = 4, 64
@@ -238,7 +238,7 @@ def test_no_file_is_left_at_exit_when_close_is_never_called(nvme_root):
     script = textwrap.dedent(f"""
         import torch
         from lazyzero.activations import ActivationPacker, ActivationPolicy
-        from lazyzero.config.models import ActivationsConfig
+        from lazyzero.activations.config import ActivationsConfig
         from lazyzero.models.build import build_model
         model = build_model("tiny", seed=0)
         config = ActivationsConfig(enabled=True, offload_layers={{0: "nvme"}}, offload_nvme_path={str(nvme_root)!r})

@@ -12,7 +12,7 @@ from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRot
 
 from lazyzero.activations import ActivationPacker, ActivationPolicy
 from lazyzero.activations import packing as packing_module
-from lazyzero.config.models import ActivationsConfig
+from lazyzero.activations.config import ActivationsConfig
 from lazyzero.testing import TOLERANCES, HostReads, cosines_by_name
 
 BATCH, SEQ, HIDDEN, HEADS, INTERMEDIATE = 2, 32, 64, 4, 172

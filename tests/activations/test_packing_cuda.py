@@ -15,7 +15,7 @@ from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
 from lazyzero.activations import ActivationPacker, ActivationPolicy
-from lazyzero.config.models import ActivationsConfig
+from lazyzero.activations.config import ActivationsConfig
 from lazyzero.testing import TOLERANCES, HostReads, cosines_by_name
 
 pytestmark = pytest.mark.gpu

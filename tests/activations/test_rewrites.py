@@ -6,8 +6,8 @@ from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm
 
 from lazyzero.activations import ActivationPacker, ActivationPolicy, rewrites
+from lazyzero.activations.config import ActivationsConfig
 from lazyzero.activations.rewrites import rms_norm_backward
-from lazyzero.config.models import ActivationsConfig
 from lazyzero.models.build import build_model
 from lazyzero.models.config import FAMILIES
 from lazyzero.testing import TOLERANCES, cosines_by_name

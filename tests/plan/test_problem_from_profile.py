@@ -270,9 +270,9 @@ def _save_files(engine, save_dir, files: dict) -> None:
 
 @pytest.mark.parametrize("eight_bit", [False, True])
 def test_the_predicted_peak_holds_the_snapshot_the_checkpoint_code_allocates(tmp_path, eight_bit):
+    from lazyzero.checkpoint.config import CheckpointConfig
     from lazyzero.checkpoint.lazy_engine import LazyCheckpointEngine
     from lazyzero.config import PlanConfig
-    from lazyzero.config.models import CheckpointConfig
     from lazyzero.plan.solver.problem import LayerPlan
     from lazyzero.plan.solver.simulate import evaluate_layers
 

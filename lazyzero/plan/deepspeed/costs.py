@@ -13,8 +13,9 @@ import os
 import re
 import shutil
 
-from lazyzero.config.models import ActivationsConfig, OptimizerConfig
+from lazyzero.activations.config import ActivationsConfig
 from lazyzero.models.presets import PRESETS, ModelPreset
+from lazyzero.optimizer.config import OptimizerConfig
 from lazyzero.plan.solver.problem import BIT_WIDTHS, LayerCosts, Machine, Path, PlanProblem, Tier
 
 GB = 10**9

@@ -20,7 +20,7 @@ import copy
 from collections import Counter
 from dataclasses import dataclass
 
-from lazyzero.config.models import ActivationsConfig
+from lazyzero.activations.config import ActivationsConfig
 from lazyzero.config.optimizer_swap import PARTITIONED_BUFFER_COUNT
 from lazyzero.plan.deepspeed.costs import decoder_layer_index
 from lazyzero.plan.solver.problem import Plan, PlanProblem

@@ -405,7 +405,7 @@ CHECKPOINT_FILES_PER_RANK = 3
 
 def _checkpoint_config(ds_config: dict):
     """The run's validated "checkpoint" section when lazy checkpoints are on, else None."""
-    from lazyzero.config.models import CheckpointConfig
+    from lazyzero.checkpoint.config import CheckpointConfig
 
     section = ((ds_config.get("lazyzero") or {}).get("checkpoint")) or {}
     return CheckpointConfig(**section) if section.get("enabled") is True else None

@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from lazyzero.activations import ActivationPolicy
-from lazyzero.config.models import ActivationsConfig
+from lazyzero.activations.config import ActivationsConfig
 from lazyzero.plan.profile.layers import (
     ModelCalls,
     PassThrough,

@@ -31,8 +31,8 @@ from torch.utils.checkpoint import checkpoint
 from transformers.cache_utils import Cache
 
 from lazyzero.activations import ActivationAccounting, ActivationPacker, ActivationPolicy
+from lazyzero.activations.config import ActivationsConfig
 from lazyzero.activations.policy import is_decoder_layer, layer_index
-from lazyzero.config.models import ActivationsConfig
 from lazyzero.plan.deepspeed.implied import ModelSizes
 from lazyzero.plan.profile.data import TensorInfo
 from lazyzero.plan.profile.materialize import full_numel, materialized

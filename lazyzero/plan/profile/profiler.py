@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from lazyzero.config.models import ActivationsConfig
+from lazyzero.activations.config import ActivationsConfig
 from lazyzero.plan.deepspeed.costs import EMBED_AND_HEAD
 from lazyzero.plan.profile import grad_error as grad_error_
 from lazyzero.plan.profile import layers as layers_

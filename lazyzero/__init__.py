@@ -7,6 +7,7 @@ use, so that `lazyzero config check` stays fast (docs/architecture.md).
 
 from lazyzero._lazy_names import lazy_names
 from lazyzero._version import __version__
+from lazyzero.engine import deepspeed_route
 
 # deepspeed.initialize's default port, without importing DeepSpeed (the module imports only the standard library).
 from lazyzero.engine.deepspeed_args import DEEPSPEED_DEFAULT_PORT
@@ -38,16 +39,12 @@ def patch_deepspeed():
     Accelerate, Lightning, your own code), returns a `LazyZeroEngine` for a config with a "lazyzero"
     section, validated as `initialize` validates it; a config without one gets plain DeepSpeed.
     Calling it again does nothing; `unpatch_deepspeed()` undoes it."""
-    from lazyzero.engine.deepspeed_route import patch_deepspeed as route
-
-    route()
+    deepspeed_route.patch_deepspeed()
 
 
 def unpatch_deepspeed():
     """Give `deepspeed.initialize` back DeepSpeed's own function; returns whether it was patched."""
-    from lazyzero.engine.deepspeed_route import unpatch_deepspeed as unroute
-
-    return unroute()
+    return deepspeed_route.unpatch_deepspeed()
 
 
 # `TrainerLogsCallback` imports transformers; `LazyZeroConfig` is the config package's own lazy name.

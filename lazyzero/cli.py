@@ -7,17 +7,23 @@ Later capabilities (profile) add their own sub-commands here.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import json
 import sys
+from pathlib import Path
+
+from lazyzero.app.environment import environment_report, format_report
+from lazyzero.checkpoint.commands import add_ckpt_commands
+from lazyzero.config.errors import LazyZeroConfigError
+from lazyzero.config.trainer_values import trainer_filled_keys
+from lazyzero.docs import replace_marked_block
+from lazyzero.plan.commands import add_plan_command
+from lazyzero.plan.profile.summary import profile_table
 
 
 def _config_check(args: argparse.Namespace) -> int:
-    from lazyzero.config import (
-        LazyZeroConfigError,
-        check_config_file,
-        format_config_summary,
-        load_ds_config_file,
-        trainer_filled_keys,
-    )
+    from lazyzero.config.reference import format_config_summary
+    from lazyzero.config.validate import check_config_file, load_ds_config_file
 
     status = 0
     for path in args.files:
@@ -36,10 +42,7 @@ def _config_check(args: argparse.Namespace) -> int:
 
 
 def _config_reference(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
-    from lazyzero.config import config_reference_markdown
-    from lazyzero.docs import replace_marked_block
+    from lazyzero.config.reference import config_reference_markdown
 
     reference = config_reference_markdown()
     if args.write is None:
@@ -76,10 +79,9 @@ def _profile(args: argparse.Namespace) -> int:
     import torch
 
     from lazyzero.app.data.tokenizer import load_tokenizer
-    from lazyzero.config import LazyZeroConfigError, load_ds_config_file
-    from lazyzero.models import build_model
+    from lazyzero.config.validate import load_ds_config_file
+    from lazyzero.models.build import build_model
     from lazyzero.plan.profile.profiler import ProfileFileError, ProfileSettings, load_or_profile
-    from lazyzero.plan.profile.summary import profile_table
 
     measured = []
     try:
@@ -123,7 +125,6 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("train", help="train a model (all arguments go to python -m lazyzero.train; see --help)",
                    add_help=False)
-    from lazyzero.plan.commands import add_plan_command
 
     add_plan_command(sub)
     _add_profile_command(sub)
@@ -148,8 +149,6 @@ def build_parser() -> argparse.ArgumentParser:
     ops_build.set_defaults(func=_ops_build)
     ops.add_parser("status", help="which backends are built, and if not, why").set_defaults(func=_ops_status)
 
-    from lazyzero.checkpoint.commands import add_ckpt_commands
-
     ckpt = sub.add_parser("ckpt", help="list, verify or export lazyzero checkpoints").add_subparsers(
         dest="action", required=True)
     add_ckpt_commands(ckpt)
@@ -161,13 +160,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _env(args: argparse.Namespace) -> int:
-    import contextlib
-    import json
-
     # DeepSpeed logs to the stdout it finds at import (its accelerator notice): keep that off the report.
     with contextlib.redirect_stdout(sys.stderr):
-        from lazyzero.app.environment import environment_report, format_report
-
         report = environment_report()
     print(json.dumps(report, indent=2) if args.json else format_report(report))
     return 0

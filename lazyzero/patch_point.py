@@ -41,6 +41,8 @@ Kinds:
 from __future__ import annotations
 
 import functools
+import importlib
+import importlib.util
 import inspect
 import re
 import types
@@ -457,8 +459,6 @@ def clear_state(obj, name: str, *, owner: str, holder: str | None = None) -> Non
 
 def resolve_target(target: str):
     """The object a declared target ("module:Class.attribute") names in the installed packages."""
-    import importlib
-
     module, _, qualified = target.partition(":")
     value = importlib.import_module(module)
     for part in qualified.split("."):
@@ -515,8 +515,6 @@ def state_is_used(point: PatchPoint) -> bool:
 
 
 def _library_installed(target: str) -> bool:
-    import importlib.util
-
     return importlib.util.find_spec(target.partition(":")[0].partition(".")[0]) is not None
 
 

@@ -3,6 +3,12 @@
 Bit-exact comparisons use atol=0, rtol=0. Every looser tolerance below says why it is what it is.
 """
 
+import gc
+import json
+import os
+import sys
+from pathlib import Path
+
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -120,8 +126,6 @@ def destroy_engine(engine) -> None:
     The gloo barrier first waits for every collective still in flight (ZeRO-3 prefetches
     all-gathers asynchronously); destroying an engine under them aborted a test process with
     "terminate called without an active exception" once in several runs."""
-    import gc
-
     import torch.distributed as dist
 
     dist.barrier()
@@ -131,18 +135,12 @@ def destroy_engine(engine) -> None:
 
 def worker_args() -> list[str]:
     """A test worker's own arguments: sys.argv without the --local_rank=N the deepspeed launcher adds."""
-    import sys
-
     return [a for a in sys.argv[1:] if not a.startswith("--local_rank")]
 
 
 def write_json_from_every_rank(path, value) -> None:
     """Write `value` as JSON to `path` when every rank of a worker writes the same file: each writes
     a temporary file of its own and renames it, so no rank reads another's half-written file."""
-    import json
-    import os
-    from pathlib import Path
-
     partial = Path(path).with_name(f".{Path(path).name}.{os.getpid()}.tmp")
     partial.write_text(json.dumps(value))
     os.replace(partial, path)

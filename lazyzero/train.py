@@ -15,7 +15,9 @@ from pathlib import Path
 
 from lazyzero.app.data.arithmetic import DIFFICULTIES
 from lazyzero.app.model_build import ZERO_INIT_CHOICES
+from lazyzero.app.trainer import Trainer, load_training_inputs
 from lazyzero.config import LazyZeroConfigError, load_ds_config_file, validate_ds_config
+from lazyzero.plan.deepspeed.host_memory import bound_host_heap
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -94,8 +96,6 @@ def bound_heap_of_planned_runs(ds_config: dict) -> None:
     import torch
 
     if ((ds_config.get("lazyzero") or {}).get("plan") or {}).get("enabled") is True and not torch.cuda.is_available():
-        from lazyzero.plan.deepspeed.host_memory import bound_host_heap
-
         bound_host_heap()
 
 
@@ -110,7 +110,6 @@ def main(argv: list[str] | None = None) -> int:
     except LazyZeroConfigError as err:
         print(f"lazyzero: invalid config {args.deepspeed_config}:\n{err}", file=sys.stderr)
         return 2
-    from lazyzero.app.trainer import Trainer, load_training_inputs
 
     bound_heap_of_planned_runs(ds_config)
     try:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import itertools
 import os
 import queue
+import resource
 import shutil
 import tempfile
 import threading
@@ -196,8 +197,6 @@ _locked_lock = threading.Lock()
 def _count_locked(change: int) -> None:
     """Count `change` more locked bytes. DeepSpeed's allocator asserts (or crashes) when mlock fails:
     fail first, with the reason, when the process may not lock that much."""
-    import resource
-
     with _locked_lock:
         wanted = _locked["bytes"] + change
         soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)

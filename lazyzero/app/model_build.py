@@ -14,6 +14,10 @@ module on rank 0, in another order).
 from __future__ import annotations
 
 import argparse
+import os
+
+from lazyzero.config.validate import validate_ds_config
+from lazyzero.distributed.job_failure import collective_timeout
 
 PARTITIONED_BUILD_BYTES = 2**30
 ZERO_INIT_CHOICES = ("auto", "on", "off")
@@ -38,7 +42,9 @@ def zero_init_config(args: argparse.Namespace, ds_config: dict | None, vocab_siz
 def _whole_fp32_bytes(args: argparse.Namespace, vocab_size: int) -> int:
     """The whole model's fp32 bytes from its config alone (0 when the family has no analytic count,
     or the model is a GGUF file, which is read whole anyway)."""
-    from lazyzero.models import count_parameters, model_config, pretrained_files
+    from lazyzero.models.config import model_config
+    from lazyzero.models.params import count_parameters
+    from lazyzero.models.pretrained import pretrained_files
 
     files = pretrained_files(args.model)
     if files is not None and files.gguf_file is not None:
@@ -54,13 +60,8 @@ def _whole_fp32_bytes(args: argparse.Namespace, vocab_size: int) -> int:
 def start_ranks(ds_config: dict) -> None:
     """torch.distributed as `lazyzero.initialize` starts it (which then finds it started): the
     partitioned build needs the ranks before the engine exists."""
-    import os
-
     import deepspeed
     from deepspeed.accelerator import get_accelerator
-
-    from lazyzero.config import validate_ds_config
-    from lazyzero.distributed.job_failure import collective_timeout
 
     port = int(os.environ.get("MASTER_PORT", deepspeed.constants.TORCH_DISTRIBUTED_DEFAULT_PORT))
     deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name(), distributed_port=port,

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
+import random
 import statistics
 import time
 from dataclasses import dataclass
@@ -11,7 +14,10 @@ from pathlib import Path
 import torch
 
 from lazyzero.app.data_order import StepBatches
+from lazyzero.app.model_build import start_ranks, zero_init_config
 from lazyzero.app.run_report import StepLog, peak_memory_bytes, write_run_report
+from lazyzero.engine.initialize import initialize
+from lazyzero.gradients.node_layout import LAUNCHER_LOCAL_SIZE
 
 # Largest model whose parameters evaluation gathers whole on every rank (see _whole_params_if_small).
 EVAL_GATHER_LIMIT_BYTES = 2 * 2**30
@@ -25,8 +31,6 @@ class Trainer:
     def __init__(self, args: argparse.Namespace, ds_config: dict, inputs: "TrainingInputs",
                  started: float | None = None):
         from deepspeed import comm as dist
-
-        from lazyzero.engine.initialize import initialize
 
         self.args = args
         self.tokenizer, self.train_set, self.eval_problems = inputs.tokenizer, inputs.train_set, inputs.eval_problems
@@ -154,8 +158,6 @@ class Trainer:
     def _whole_params_if_small(self):
         """Under ZeRO-3 every decoding step would all-gather every layer again; gather once instead
         when the whole model is small next to host or device memory (the demo model is 77 MB)."""
-        import contextlib
-
         import deepspeed
 
         if self.engine.zero_optimization_stage() != 3:
@@ -230,8 +232,7 @@ def load_training_inputs(args: argparse.Namespace, ds_config: dict | None = None
     With `ds_config`, the model may be built partitioned across the ranks (app/model_build.py), which
     starts torch.distributed first."""
     from lazyzero.app.data.tokenizer import load_tokenizer
-    from lazyzero.app.model_build import start_ranks, zero_init_config
-    from lazyzero.models import build_model
+    from lazyzero.models.build import build_model
 
     _share_cpu_cores()
     _seed_every_generator(args.seed)
@@ -253,8 +254,6 @@ def _seed_every_generator(seed: int) -> None:
     """torch's, numpy's and Python's global generators, as they are saved with lazy checkpoints: two
     runs with one --seed, and a resumed one, then hold the same states step by step (docs/reliability.md,
     guarantee 3). Unseeded, numpy and Python's `random` start from OS entropy in every process."""
-    import random
-
     import numpy as np
 
     random.seed(seed)
@@ -265,10 +264,6 @@ def _seed_every_generator(seed: int) -> None:
 def _share_cpu_cores() -> None:
     """On CPU, split the cores among the ranks of this host unless OMP_NUM_THREADS says otherwise:
     neither the deepspeed launcher nor mpirun does, and two ranks with all cores each thrash."""
-    import os
-
-    from lazyzero.gradients.node_layout import LAUNCHER_LOCAL_SIZE
-
     if torch.cuda.is_available() or "OMP_NUM_THREADS" in os.environ:
         return
     local_ranks = next((int(os.environ[k]) for k in LAUNCHER_LOCAL_SIZE if k in os.environ), 1)

@@ -12,10 +12,12 @@ from __future__ import annotations
 import argparse
 import datetime
 import errno
+import importlib.util
 import os
 import shutil
 import stat
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -259,8 +261,6 @@ def link_or_copy(tag_dir: Path, relpath: str, target: Path) -> bool:
 
 
 def _copy_recovery_scripts(out: Path) -> None:
-    import importlib.util
-
     # Found without importing deepspeed, which takes seconds and probes for accelerators.
     utils = Path(importlib.util.find_spec("deepspeed").origin).parent / "utils"
     for script in RECOVERY_SCRIPTS:
@@ -271,8 +271,6 @@ def _copy_recovery_scripts(out: Path) -> None:
 
 def consolidate_fp32(deepspeed_dir: Path, tag: str, fp32_file: Path) -> None:
     """One fp32 state dict file from the DeepSpeed folder, by DeepSpeed's own zero_to_fp32."""
-    import tempfile
-
     from deepspeed.utils.zero_to_fp32 import convert_zero_checkpoint_to_fp32_state_dict
 
     fp32_file.parent.mkdir(parents=True, exist_ok=True)

@@ -24,6 +24,7 @@ import weakref
 
 from lazyzero.checkpoint.lazy_engine import CheckpointFailedError, LazyCheckpointEngine
 from lazyzero.distributed.job_failure import BEFORE_MPI_ABORT, peer_lost
+from lazyzero.patch_point import route_function
 
 OWNER = "lazyzero.checkpoint (end of job)"
 _engines: weakref.WeakSet[LazyCheckpointEngine] = weakref.WeakSet()
@@ -98,8 +99,6 @@ def _report_at_exit() -> bool:
 
 def _route_destroy_process_group() -> None:
     import torch.distributed
-
-    from lazyzero.patch_point import route_function
 
     route_function(torch.distributed, "destroy_process_group", destroy_process_group_after_commits, owner=OWNER)
 

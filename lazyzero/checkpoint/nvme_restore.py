@@ -28,6 +28,7 @@ from deepspeed import comm as dist
 from deepspeed.checkpoint.constants import FP32_FLAT_GROUPS, OPTIMIZER_STATE_DICT
 from deepspeed.ops.adam import DeepSpeedCPUAdam
 
+from lazyzero.checkpoint.sub_group_tiers import check_checkpoint_tiers
 from lazyzero.optimizer.zero3_reshard import restore_loss_scaler
 
 
@@ -37,8 +38,6 @@ def restore_nvme_offloaded_state(engine, load_dir: str, tag: str) -> None:
     Call after `DeepSpeedEngine.load_checkpoint` has copied the swap files back (it needs them), on
     every rank, with the same `load_dir` and `tag`.
     """
-    from lazyzero.checkpoint.sub_group_tiers import check_checkpoint_tiers
-
     zero_optimizer = engine.optimizer
     saved = _own_zero_state_dict(engine, load_dir, tag)
     # Before anything is read back: a checkpoint cut into other sub-groups (another placement or

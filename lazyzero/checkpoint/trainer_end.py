@@ -12,6 +12,7 @@ With no lazyzero engine built, or lazy checkpoints off, it does nothing.
 
 from __future__ import annotations
 
+import importlib
 import sys
 
 from transformers import TrainerCallback
@@ -19,6 +20,7 @@ from transformers import TrainerCallback
 from lazyzero.checkpoint import preemption
 from lazyzero.checkpoint.job_end import finish_pending_checkpoints
 from lazyzero.checkpoint.trainer_folders import get_last_committed_checkpoint
+from lazyzero.patch_point import extend_list, retract_from_list
 
 OWNER = "lazyzero.patch_deepspeed"
 TRAINER_MODULE = "transformers.trainer"
@@ -56,16 +58,10 @@ class LazyCheckpointsCallback(TrainerCallback):
 
 
 def add_to_default_callbacks() -> None:
-    import importlib
-
-    from lazyzero.patch_point import extend_list
-
     extend_list(importlib.import_module(TRAINER_MODULE), "DEFAULT_CALLBACKS", LazyCheckpointsCallback, owner=OWNER)
 
 
 def remove_from_default_callbacks() -> None:
-    from lazyzero.patch_point import retract_from_list
-
     trainer = sys.modules.get(TRAINER_MODULE)
     if trainer is not None:
         retract_from_list(trainer, "DEFAULT_CALLBACKS", LazyCheckpointsCallback, owner=OWNER)

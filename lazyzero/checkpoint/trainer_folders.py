@@ -24,6 +24,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import sys
 from pathlib import Path
 
 from lazyzero.checkpoint.folder_layout import TEMP_PREFIX
@@ -92,8 +93,6 @@ def rotate_keeping_committed(output_dir, save_total_limit=None, best_model_check
                              checkpoint_prefix="checkpoint"):
     """`rotate_checkpoints` with the folders newer than every committed one left out of the count while
     their lazy checkpoints are uncommitted, so that the newest committed folder is never deleted for them."""
-    import sys
-
     original = sys.modules["transformers.trainer"].rotate_checkpoints.__wrapped__
     if save_total_limit is None or save_total_limit <= 0:
         return original(output_dir, save_total_limit, best_model_checkpoint, use_mtime, checkpoint_prefix)

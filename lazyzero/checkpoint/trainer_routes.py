@@ -7,8 +7,12 @@ when it is installed (an optional dependency), which is why its imports sit insi
 
 from __future__ import annotations
 
+import importlib.util
 import logging
+import sys
 
+from lazyzero.checkpoint.accelerate_folders import load_newest_committed_state
+from lazyzero.checkpoint.lightning_folders import find_last_committed_checkpoints
 from lazyzero.checkpoint.trainer_folders import OWNER, get_last_committed_checkpoint, rotate_keeping_committed
 
 _log = logging.getLogger(__name__)
@@ -18,8 +22,6 @@ def route_trainer_folder_rules() -> list[str]:
     """Route the folder rules of each installed trainer library to the versions above; the libraries
     whose rules are routed. A library whose functions are not as lazyzero knows them is left as it is,
     with a warning."""
-    import importlib.util
-
     routed = []
     for library, route, hint in ((("transformers", _route_hf_trainer, "keep save_total_limit at 2 or more"),
                                   ("lightning", _route_lightning, "pass ckpt_path a committed folder"),
@@ -51,7 +53,6 @@ def _route_hf_trainer() -> None:
 def _route_lightning() -> None:
     from lightning.pytorch.callbacks.model_checkpoint import ModelCheckpoint
 
-    from lazyzero.checkpoint.lightning_folders import find_last_committed_checkpoints
     from lazyzero.patch_point import route_function
 
     route_function(ModelCheckpoint, "_find_last_checkpoints", find_last_committed_checkpoints, owner=OWNER)
@@ -60,15 +61,12 @@ def _route_lightning() -> None:
 def _route_accelerate() -> None:
     from accelerate import Accelerator
 
-    from lazyzero.checkpoint.accelerate_folders import load_newest_committed_state
     from lazyzero.patch_point import route_function
 
     route_function(Accelerator, "load_state", load_newest_committed_state, owner=OWNER)
 
 
 def unroute_trainer_folder_rules() -> None:
-    import sys
-
     from lazyzero.patch_point import unredirect_function, unroute_function
 
     if "transformers.trainer_utils" in sys.modules:

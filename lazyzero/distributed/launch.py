@@ -3,13 +3,21 @@ planner's engine calibration share (deepspeed's launcher or Open MPI's mpirun, g
 
 from __future__ import annotations
 
+import base64
 import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+
+from lazyzero.distributed.mpi_extra import mpirun_executable
+from lazyzero.distributed.shm_segments import remove_leftover_segments
 
 
 def free_port() -> int:
     """A TCP port that is free right now on localhost, for a test's rendezvous."""
-    import socket
-
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -18,8 +26,6 @@ def free_port() -> int:
 def distributed_env(threads_per_rank: int = 1) -> dict:
     """Environment for child ranks: one thread each so that two ranks share two cores fairly, and
     Open MPI allowed to run as root (CI runs as root)."""
-    import os
-
     env = dict(os.environ)
     env.update(OMP_NUM_THREADS=str(threads_per_rank), OMPI_ALLOW_RUN_AS_ROOT="1",
                OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
@@ -31,14 +37,10 @@ def launch_command(launcher: str, nprocs: int, argv: list[str], launcher_args: t
     """The command line that starts `argv` (a python script and its arguments) on `nprocs` local ranks
     rendezvousing on `port` (default: a free one); `launcher_args` go to the launcher itself (e.g. a
     hostfile)."""
-    import sys
-
     port = port or free_port()
     if launcher == "deepspeed":
         return ["deepspeed", "--num_gpus", str(nprocs), "--master_port", str(port), *launcher_args, *argv]
     if launcher == "mpirun":
-        from lazyzero.distributed.mpi_extra import mpirun_executable
-
         return [mpirun_executable(), "-n", str(nprocs), "--oversubscribe", "-x", f"MASTER_PORT={port}",
                 *launcher_args, sys.executable, *argv]
     raise ValueError(f"launcher: got {launcher!r}; allowed: 'deepspeed', 'mpirun'")
@@ -53,10 +55,6 @@ def run_distributed(launcher: str, nprocs: int, argv: list[str], timeout: float 
     group is ended, not the launcher alone, so that no rank is left behind, and TimeoutExpired is raised.
     Removes the shared-memory files DeepSpeed's CPU all-reduce leaves behind (`shm_segments.py`),
     which would otherwise fill /dev/shm over a test session."""
-    import subprocess
-
-    from lazyzero.distributed.shm_segments import remove_leftover_segments
-
     port = free_port()
     cmd = launch_command(launcher, nprocs, argv, launcher_args, port)
     try:
@@ -77,10 +75,6 @@ def _end_process_group(process, grace_s: float = 10.0) -> None:
     deepspeed launcher's ranks are in that group (a stopped one only dies of the SIGKILL); mpirun's
     run in sessions of their own and only mpirun's SIGTERM handler ends them (a SIGKILLed mpirun
     leaves them running), so the launcher gets the grace to do it."""
-    import os
-    import signal
-    import subprocess
-
     with contextlib.suppress(ProcessLookupError):
         os.killpg(process.pid, signal.SIGTERM)
     with contextlib.suppress(subprocess.TimeoutExpired):
@@ -95,13 +89,6 @@ def run_deepspeed_nodes(nodes: int, ranks_per_node: int, argv: list[str], timeou
     per-node launcher (`deepspeed.launcher.launch`, what the `deepspeed` runner starts on each host
     over ssh) per emulated node, so ranks see the environment a multi-node launch gives them.
     Returns (return code, output): the worst code, and every node's output, node by node."""
-    import base64
-    import json
-    import subprocess
-    import sys
-
-    from lazyzero.distributed.shm_segments import remove_leftover_segments
-
     world_info = {f"node{node}": list(range(ranks_per_node)) for node in range(nodes)}
     encoded = base64.urlsafe_b64encode(json.dumps(world_info).encode()).decode()
     port = free_port()

@@ -18,7 +18,9 @@ shard and saves each rank's random states. A state built before the patch keeps 
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import sys
 
 OWNER = "lazyzero.patch_deepspeed"
 
@@ -49,8 +51,6 @@ def _cpu_ranks_of_a_launch() -> bool:
 
 def check_accelerate_counts_every_rank() -> None:
     """LaunchRefused when an Accelerate state exists and counts fewer processes than the job has ranks."""
-    import sys
-
     state = sys.modules.get("accelerate.state")
     if state is None or not state.is_initialized():
         return
@@ -73,8 +73,6 @@ def _ranks() -> int | None:
 
 def route_accelerate_rank_count() -> bool:
     """Route `PartialState._prepare_backend` (where Accelerate is installed); whether it is routed."""
-    import importlib.util
-
     if importlib.util.find_spec("accelerate") is None:
         return False
     from accelerate.state import PartialState
@@ -86,8 +84,6 @@ def route_accelerate_rank_count() -> bool:
 
 
 def unroute_accelerate_rank_count() -> None:
-    import sys
-
     from lazyzero.patch_point import unroute_function
 
     if "accelerate.state" in sys.modules:

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from lazyzero.engine.accelerate_ranks import route_accelerate_rank_count, unroute_accelerate_rank_count
 from lazyzero.engine.deepspeed_args import DEEPSPEED_DEFAULT_PORT, config_in_args
+from lazyzero.feature import Feature
 
 OWNER = "lazyzero.patch_deepspeed"
 SECTION = "lazyzero"
@@ -24,9 +26,7 @@ def patch_deepspeed() -> None:
     Accelerate's count of CPU ranks (engine/accelerate_ranks.py). Calling it again does nothing."""
     import deepspeed
 
-    from lazyzero.engine.accelerate_ranks import route_accelerate_rank_count
     from lazyzero.engine.features import call_on_classes
-    from lazyzero.feature import Feature
     from lazyzero.patch_point import route_function
 
     route_function(deepspeed, "initialize", initialize_from_any_caller, owner=OWNER)
@@ -38,9 +38,7 @@ def unpatch_deepspeed() -> bool:
     """Give `deepspeed.initialize` back DeepSpeed's own function; whether it was routed."""
     import deepspeed
 
-    from lazyzero.engine.accelerate_ranks import unroute_accelerate_rank_count
     from lazyzero.engine.features import call_on_classes
-    from lazyzero.feature import Feature
     from lazyzero.patch_point import unroute_function
 
     call_on_classes(Feature.unpatch_trainers)

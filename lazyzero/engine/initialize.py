@@ -7,12 +7,22 @@ before torch.distributed or anything on disk is touched (docs/reliability.md, gu
 
 from __future__ import annotations
 
+import os
 from typing import Any, Callable, Optional, Union
 
 import torch
 
 from lazyzero.config import load_ds_config_file, validate_ds_config
+from lazyzero.config.errors import LazyZeroConfigError
+from lazyzero.config.nvme_space import nvme_swap_problems, ranks_on_this_node
+from lazyzero.distributed.job_failure import apply_to_every_group, collective_timeout, end_job_on_uncaught_error
+from lazyzero.distributed.mpi_extra import check_mpi_discovery_possible
+from lazyzero.distributed.refusal_line import register_refusals
+from lazyzero.distributed.shm_segments import release_own_segment_name
+from lazyzero.engine.accelerate_ranks import LaunchRefused, check_accelerate_counts_every_rank
 from lazyzero.engine.deepspeed_args import DEEPSPEED_DEFAULT_PORT, config_in_args
+from lazyzero.feature import Feature
+from lazyzero.safe_load import UnsafeCheckpointFile
 
 
 def initialize(
@@ -52,13 +62,8 @@ def initialize(
     from deepspeed.runtime.config import DeepSpeedConfig
     from deepspeed.utils import log_dist
 
-    from lazyzero.distributed.job_failure import apply_to_every_group, collective_timeout
-    from lazyzero.distributed.mpi_extra import check_mpi_discovery_possible
-    from lazyzero.distributed.shm_segments import release_own_segment_name
-    from lazyzero.engine.accelerate_ranks import check_accelerate_counts_every_rank
     from lazyzero.engine.engine import LazyZeroEngine
     from lazyzero.engine.features import FeatureSet
-    from lazyzero.feature import Feature
 
     _check_deepspeed_internals(lazyzero_config)
     if isinstance(model, PipelineModule):
@@ -125,8 +130,6 @@ def _resolve_config(args: Any, config: Optional[Union[str, dict]]) -> dict:
 def _base64_config(config) -> Optional[dict]:
     """The dict of a config given as base64 JSON, as DeepSpeed decodes it (its launcher passes configs
     so); None for anything else, which is then read as a file with lazyzero's strict JSON reader."""
-    import os
-
     if not isinstance(config, str) or os.path.exists(config):
         return None
     from deepspeed.runtime.tensor_parallel.init_utils import load_ds_config
@@ -143,13 +146,7 @@ def _end_job_on_uncaught_errors(lazyzero_config) -> None:
     each (distributed/refusal_line.py): the checkpoint a rank refuses to load or cannot save (damaged,
     unsafe to unpickle, leading outside its folder, larger than its disk), a config or NVMe folder
     refused once the ranks are known, an Accelerate launch that would train every rank alike."""
-    from lazyzero.config.errors import LazyZeroConfigError
-    from lazyzero.distributed.job_failure import collective_timeout, end_job_on_uncaught_error
-    from lazyzero.distributed.refusal_line import register_refusals
-    from lazyzero.engine.accelerate_ranks import LaunchRefused
     from lazyzero.engine.features import call_on_classes
-    from lazyzero.feature import Feature
-    from lazyzero.safe_load import UnsafeCheckpointFile
 
     capabilities = [error for refusals in call_on_classes(Feature.refusals) for error in refusals]
     register_refusals(*capabilities, UnsafeCheckpointFile, LazyZeroConfigError, LaunchRefused)
@@ -158,9 +155,6 @@ def _end_job_on_uncaught_errors(lazyzero_config) -> None:
 
 def _check_nvme_room(ds_config: dict, model, world_size: int) -> None:
     """Refuse, before DeepSpeed creates a swap file, NVMe folders without room for them (config/nvme_space.py)."""
-    from lazyzero.config.errors import LazyZeroConfigError
-    from lazyzero.config.nvme_space import nvme_swap_problems, ranks_on_this_node
-
     parameters = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
     problems = nvme_swap_problems(ds_config, parameters, world_size, ranks_on_this_node(world_size))
     if problems:
@@ -174,8 +168,6 @@ def _rendezvous_port(requested: Optional[int], default: int) -> int:
     Under `mpirun`, DeepSpeed's MPI discovery overwrites MASTER_PORT with the port argument; honouring
     the variable lets several jobs (or tests) share one host, as with the deepspeed launcher. The
     parameter's default is DeepSpeed's, so that the two signatures stay equal; it counts as not given."""
-    import os
-
     if requested is not None and requested != default:
         return requested
     return int(os.environ.get("MASTER_PORT", default))

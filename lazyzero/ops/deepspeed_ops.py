@@ -11,6 +11,7 @@ machine gets the builders its runs will use (docs/deepspeed-internals.md).
 
 from __future__ import annotations
 
+from lazyzero.config.async_io import LIBAIO_INSTALL
 from lazyzero.ops.native_build import BackendStatus, first_error_line
 
 # The builders of lazyzero runs' DeepSpeed ops, by DeepSpeed's builder class names.
@@ -19,8 +20,6 @@ RUN_OP_BUILDERS = ("CPUAdamBuilder", "FusedAdamBuilder", "ShareMemCommBuilder", 
 
 def _unavailable_reason(builder_name: str) -> str:
     if builder_name == "AsyncIOBuilder":
-        from lazyzero.config.async_io import LIBAIO_INSTALL
-
         return f"libaio is missing (NVMe needs it: {LIBAIO_INSTALL})"
     return "DeepSpeed says it cannot be built on this machine"
 

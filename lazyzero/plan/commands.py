@@ -14,10 +14,18 @@ import json
 import sys
 from pathlib import Path
 
+from lazyzero.config.memory import parse_memory_size
+from lazyzero.models.presets import PRESETS
+from lazyzero.plan.config import PlanConfig
+from lazyzero.plan.deepspeed.costs import problem_from_preset
+from lazyzero.plan.deepspeed.implied import DEFAULT_BASE_CONFIG, PlanNotExpressible, implied_setup
+from lazyzero.plan.deepspeed.problem_from_profile import Budgets, RankShape, problem_from_profile, uses_torch_adam
+from lazyzero.plan.report import baseline_step_times, plan_table, plot_memory
+from lazyzero.plan.solver.greedy import greedy_plan
+from lazyzero.plan.solver.problem import PlanInfeasible
+
 
 def _memory_size(text: str) -> int:
-    from lazyzero.config import parse_memory_size
-
     try:
         return parse_memory_size(text)
     except ValueError as error:
@@ -25,9 +33,6 @@ def _memory_size(text: str) -> int:
 
 
 def add_plan_command(sub) -> None:
-    from lazyzero.models.presets import PRESETS
-    from lazyzero.plan.config import PlanConfig
-
     plan = sub.add_parser("plan", help="plan memory placement and precision (from a preset or a measured profile)")
     source = plan.add_mutually_exclusive_group(required=True)
     source.add_argument("--model", choices=sorted(PRESETS), help="model preset (analytic costs)")
@@ -60,10 +65,8 @@ def add_plan_command(sub) -> None:
 def run_plan_command(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from lazyzero.plan import PlanInfeasible, SolverFoundNoPlan, greedy_plan, solve
-    from lazyzero.plan.deepspeed.implied import PlanNotExpressible
     from lazyzero.plan.profile.profiler import ProfileFileError
-    from lazyzero.plan.report import baseline_step_times, plan_table
+    from lazyzero.plan.solver.milp import SolverFoundNoPlan, solve
 
     try:
         problem, sizes, base = _problem(args)
@@ -98,11 +101,7 @@ def run_plan_command(args: argparse.Namespace) -> int:
 
 def _problem(args: argparse.Namespace):
     """(problem, model sizes or None, base DeepSpeed config) from the preset or the profile."""
-    from lazyzero.plan.deepspeed.implied import DEFAULT_BASE_CONFIG
-
     if args.profile is None:
-        from lazyzero.plan.deepspeed.costs import problem_from_preset
-
         if args.gpu_mem is None:
             raise ValueError("--gpu-mem is needed with --model (a preset is planned for one GPU)")
         problem = problem_from_preset(
@@ -110,7 +109,6 @@ def _problem(args: argparse.Namespace):
             micro_batch=args.micro_batch, gpu_tflops=args.gpu_tflops, h2d_gbps=args.h2d_gbps,
             d2h_gbps=args.d2h_gbps, nvme_read_gbps=args.nvme_read_gbps, nvme_write_gbps=args.nvme_write_gbps)
         return problem, None, {**DEFAULT_BASE_CONFIG, "train_micro_batch_size_per_gpu": args.micro_batch}
-    from lazyzero.plan.deepspeed.problem_from_profile import Budgets, RankShape, problem_from_profile
     from lazyzero.plan.profile.profiler import read_profile
 
     profile = read_profile(args.profile)
@@ -131,16 +129,11 @@ def _problem(args: argparse.Namespace):
 def _engines_use_torch_adam(profile) -> bool:
     """Whether the profile's calibration engines stepped torch's AdamW: the run they were measured for
     does (its config's optimizer section is theirs, implied.calibration_ds_config)."""
-    from lazyzero.plan.deepspeed.problem_from_profile import uses_torch_adam
-
     return profile.engine is not None and uses_torch_adam(profile.engine.config)
 
 
 def _write_outputs(args: argparse.Namespace, problem, plan, sizes, base: dict) -> None:
     """DIR/plan.json, DIR/ds_config.json (the DeepSpeed config the plan implies), DIR/memory.png."""
-    from lazyzero.plan.deepspeed.implied import implied_setup
-    from lazyzero.plan.report import plot_memory
-
     out = Path(args.out or (f"plan-{args.model}" if args.model else "plan"))
     # Absolute, so that the config means the same folder wherever training is started from.
     nvme_path = None if args.nvme is None else str(Path(args.nvme).resolve())

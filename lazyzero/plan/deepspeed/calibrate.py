@@ -22,7 +22,8 @@ import math
 from dataclasses import dataclass, replace
 
 from lazyzero.plan.deepspeed.costs import EMBED_AND_HEAD
-from lazyzero.plan.solver.problem import LayerPlan, Machine, Plan, PlanProblem
+from lazyzero.plan.solver.problem import LayerPlan, Machine, Plan, PlanInfeasible, PlanProblem
+from lazyzero.plan.solver.simulate import evaluate_layers
 
 
 def engine_calibrated(problem: PlanProblem, profile, process_bytes: int) -> PlanProblem:
@@ -116,8 +117,6 @@ def _swapped_prediction(problem: PlanProblem, states: bool = True) -> float:
     """Predicted step time of an NVMe calibration engine: each decoder layer's parameters on NVMe where
     the problem allows parameters there, and (with `states`) its fp32 optimizer state; the embeddings
     and head in memory."""
-    from lazyzero.plan.solver.simulate import evaluate_layers
-
     param_tier = "nvme" if problem.param_tiers is None or "nvme" in problem.param_tiers else "gpu"
     state_tier = "nvme" if states else "gpu"
     layers = [LayerPlan("keep", 16, "gpu", "gpu", "gpu", False) if c.name == EMBED_AND_HEAD
@@ -156,8 +155,6 @@ def _cut(problem: PlanProblem, decoder_layers: int) -> PlanProblem:
 def _in_memory_prediction(problem: PlanProblem) -> tuple[float, float]:
     """Predicted step time and compute-memory peak of the calibration engines: every tensor in
     memory, fp32 optimizer states, activations kept at 16 bits (the user's optimizer)."""
-    from lazyzero.plan.solver.simulate import evaluate_layers
-
     plan = evaluate_layers(problem, [LayerPlan("keep", 16, "gpu", "gpu", "gpu", False)] * problem.num_layers, "greedy")
     return plan.predicted_step_s, plan.predicted_peak_bytes["gpu"]
 
@@ -214,7 +211,7 @@ def smallest_compute_budget(problem: PlanProblem, *, low: float | None = None, h
     `problem` has a plan, by bisection between `low` (default: its own capacity, taken to have none)
     and `high` (default: four times that); None when even `high` has none. For error messages (how
     much memory a run that cannot start would need) and for choosing test budgets."""
-    from lazyzero.plan import PlanInfeasible, SolverFoundNoPlan, solve
+    from lazyzero.plan.solver.milp import SolverFoundNoPlan, solve
 
     def feasible(capacity: float) -> bool:
         try:
@@ -238,7 +235,7 @@ def solve_with_least_excess(problem: PlanProblem, time_limit_s: float, max_gap: 
     """The best plan within the budgets or, when measurements left none, within the smallest
     compute-memory budget (in steps of `EXCESS_STEP` over the given one) that admits one; returns
     the plan and that excess (0.0: within the budget). Re-raises PlanInfeasible beyond `MAX_EXCESS`."""
-    from lazyzero.plan import PlanInfeasible, solve
+    from lazyzero.plan.solver.milp import solve
 
     capacity = problem.machine.tiers["gpu"].capacity_bytes
     steps = round(MAX_EXCESS / EXCESS_STEP)
@@ -269,8 +266,6 @@ class HeadroomBudget:
 
 def all_in_memory_peak(problem: PlanProblem) -> int:
     """The compute-memory peak of the plan that keeps every tensor in memory, at 16 bits, fp32 states."""
-    from lazyzero.plan.solver.simulate import evaluate_layers
-
     keep = [LayerPlan("keep", 16, "gpu", "gpu", "gpu", False)] * problem.num_layers
     return round(evaluate_layers(problem, keep, "greedy").predicted_peak_bytes["gpu"])
 
@@ -279,8 +274,6 @@ def headroom_budget(problem: PlanProblem, share: float) -> HeadroomBudget:
     """`share` of the way from the least compute-memory capacity that admits a plan of `problem` to
     the all-in-memory plan's peak. Both move with everything the profile measured (the process, the
     libraries it loaded), so a budget given this way holds on any machine and torch build."""
-    from lazyzero.plan import PlanInfeasible
-
     in_memory = all_in_memory_peak(problem)
     least = smallest_compute_budget(problem, low=0, high=in_memory, rounds=12)
     if least is None:

@@ -12,17 +12,28 @@ from __future__ import annotations
 
 import copy
 import json
+import os
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from lazyzero.config import LazyZeroConfig, validate_ds_config
-from lazyzero.plan.deepspeed.implied import ImpliedSetup, implied_setup
+from lazyzero.config.errors import LazyZeroConfigError, Problem
+from lazyzero.gradients.node_layout import launcher_ranks_per_node
+from lazyzero.plan.deepspeed.calibrate import smallest_compute_budget, solve_with_least_excess
+from lazyzero.plan.deepspeed.costs import EMBED_AND_HEAD, decoder_layer_index
+from lazyzero.plan.deepspeed.host_memory import bound_host_heap, resident_bytes
+from lazyzero.plan.deepspeed.implied import ImpliedSetup, calibration_ds_config, implied_setup
+from lazyzero.plan.deepspeed.problem_from_profile import problem_for_config, training_dtype
+from lazyzero.plan.deepspeed.zero_placement import ZeroPlacement, placement_problems, zero_placement
 from lazyzero.plan.profile.layers import model_sizes_of
 from lazyzero.plan.profile.materialize import held_bytes, is_partitioned
 from lazyzero.plan.profile.profiler import ProfileSettings, load_or_profile, model_config_sha256
-from lazyzero.plan.solver.problem import Plan, PlanProblem
+from lazyzero.plan.report import plan_table, plot_memory
+from lazyzero.plan.solver.problem import Plan, PlanInfeasible, PlanProblem, check_act_widths
+from lazyzero.plan.solver.simulate import check_within_budgets, evaluate_layers
 
 # Copy-speed tests of 64 MiB instead of the profiler's default 256 MiB: a planned run profiles inside
 # its memory budget, and 64 MiB is still far beyond any cache.
@@ -42,8 +53,6 @@ class ActivePlan:
 
 def plan_run(model: torch.nn.Module, ds_config: dict, config: LazyZeroConfig, dist) -> ActivePlan:
     """Profile, plan and return the setup every rank builds its engine from (all ranks call this)."""
-    from lazyzero.plan.deepspeed.host_memory import bound_host_heap
-
     if not torch.cuda.is_available():
         bound_host_heap()
     problem, sizes = problem_for_run(model, ds_config, config.plan, dist, config.activations)
@@ -66,9 +75,6 @@ def problem_for_run(model: torch.nn.Module, ds_config: dict, settings, dist, act
     `activations`: the run's ActivationsConfig, whose width rules (block size, kept outliers, norm and
     attention widths) the profile measures bytes, times and gradient errors under, as the plan will
     run them (None: the defaults)."""
-    from lazyzero.plan.deepspeed.implied import calibration_ds_config
-    from lazyzero.plan.deepspeed.problem_from_profile import problem_for_config, training_dtype
-
     if settings.gpu_mem is not None and not torch.cuda.is_available():
         raise ValueError(f"lazyzero.plan.gpu_mem: got {settings.gpu_mem}; allowed: null on a machine without CUDA "
                          "(training computes in host memory: budget it with lazyzero.plan.cpu_mem)")
@@ -87,7 +93,6 @@ def problem_for_run(model: torch.nn.Module, ds_config: dict, settings, dist, act
                               activations=activations,
                               settings=ProfileSettings(host_copy_bytes=size, nvme_bytes=size, device_copy_bytes=size),
                               log=lambda line: print(line, flush=True), engine_config=engine_config)
-    from lazyzero.plan.deepspeed.host_memory import resident_bytes
 
     # What this rank holds besides the model, now, just before the engine is built: that stays.
     # (Of a model partitioned by zero.Init, a rank holds its partitions; the plan counts those.)
@@ -130,9 +135,6 @@ def cast_to_training_dtype(model: torch.nn.Module, dtype: torch.dtype) -> None:
 
 def _profile_path(settings, model: torch.nn.Module) -> str:
     """`plan.profile_path`, else one file per model architecture in the user's cache folder."""
-    import os
-
-
     if settings.profile_path is not None:
         return settings.profile_path
     folder = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "lazyzero" / "profiles"
@@ -142,8 +144,6 @@ def _profile_path(settings, model: torch.nn.Module) -> str:
 
 def _local_ranks(dist) -> int:
     """Ranks sharing this host's memory budget (from the launcher; without one, all ranks)."""
-    from lazyzero.gradients.node_layout import launcher_ranks_per_node
-
     return launcher_ranks_per_node() or dist.get_world_size()
 
 
@@ -155,8 +155,7 @@ def solve_on_rank_zero(problem: PlanProblem, settings, dist, least_excess: bool 
     def solve_here() -> tuple[str, float]:
         from rich.console import Console
 
-        from lazyzero.plan import PlanInfeasible, solve
-        from lazyzero.plan.deepspeed.calibrate import solve_with_least_excess
+        from lazyzero.plan.solver.milp import solve
 
         with Console(stderr=True).status(f"lazyzero plan: solving ({problem.num_layers} layers, "
                                          f"limit {settings.time_limit_s:g} s)"):
@@ -175,9 +174,6 @@ def solve_on_rank_zero(problem: PlanProblem, settings, dist, least_excess: bool 
 
 def _budget_advice(problem: PlanProblem, settings, error) -> Exception:
     """The solver's PlanInfeasible, with the budget key to raise and about how far (searched)."""
-    from lazyzero.plan import PlanInfeasible
-    from lazyzero.plan.deepspeed.calibrate import smallest_compute_budget
-
     if "gpu" not in error.tiers:
         return error
     key = "gpu_mem" if problem.machine.has_host else "cpu_mem"
@@ -200,8 +196,6 @@ def on_rank_zero(work, dist):
     """`work()` on rank 0, its result broadcast to every rank; an exception there is raised on every
     rank (as the same type where it can be rebuilt from its message), so that no rank waits forever
     in a collective its peer left."""
-    from lazyzero.plan import PlanInfeasible
-
     payload = [None]
     if dist.get_rank() == 0:
         try:
@@ -223,9 +217,6 @@ def on_rank_zero(work, dist):
 def given_plan(problem: PlanProblem, path: str) -> Plan:
     """The per-layer choices of the plan in `path`, with predictions made anew for this run's problem
     (the file's were for the problem it was solved for); same layers, within every budget."""
-    from lazyzero.plan.solver.problem import check_act_widths
-    from lazyzero.plan.solver.simulate import check_within_budgets, evaluate_layers
-
     try:
         plan = Plan.from_json(Path(path).read_text())
     except (OSError, ValueError, TypeError, KeyError) as error:
@@ -257,8 +248,6 @@ def _absolute(path: str | None) -> str | None:
 
 def _show(active: ActivePlan) -> None:
     """Print the plan; with `plan.output_dir`, write plan.json, ds_config.json and memory.png there."""
-    from lazyzero.plan.report import plan_table, plot_memory
-
     print(plan_table(active.problem, active.plan), end="", flush=True)
     folder = active.lazyzero_config.plan.output_dir
     if folder is None:
@@ -273,22 +262,15 @@ def _show(active: ActivePlan) -> None:
 
 def planned_zero_placement(active: ActivePlan, model: torch.nn.Module):
     """Around ZeRO-3's construction: only the planned layers' optimizer states and parameters go to NVMe."""
-    from contextlib import nullcontext
-
     placement = zero_placement_of(active, model)
     if placement is None:
         return nullcontext()
-    from lazyzero.plan.deepspeed.zero_placement import zero_placement
 
     return zero_placement(placement)
 
 
 def check_planned_config(active: ActivePlan, config_class, model) -> None:
     """DeepSpeed's parse of the planned config can realize the plan (one step, one placement)."""
-    from lazyzero.config import LazyZeroConfigError
-    from lazyzero.config.errors import Problem
-    from lazyzero.plan.deepspeed.zero_placement import placement_problems
-
     problems = []
     if config_class.gradient_accumulation_steps != 1:
         problems.append(Problem.conflict("gradient_accumulation_steps", config_class.gradient_accumulation_steps,
@@ -307,7 +289,6 @@ def zero_placement_of(active: ActivePlan | None, model: torch.nn.Module):
     zero = active.setup.ds_config.get("zero_optimization", {}) if active is not None else {}
     if all(zero.get(name, {}).get("device") != "nvme" for name in ("offload_param", "offload_optimizer")):
         return None
-    from lazyzero.plan.deepspeed.zero_placement import ZeroPlacement
 
     params = active.setup.param_nvme_layers
     return ZeroPlacement(optimizer_nvme=frozenset(layer_parameter_names(model, active.setup.optimizer_nvme_layers)),
@@ -317,8 +298,6 @@ def zero_placement_of(active: ActivePlan | None, model: torch.nn.Module):
 def layer_parameter_names(model: torch.nn.Module, layers: tuple[str, ...]) -> list[str]:
     """Parameters of the problem's layers: a decoder layer's are under its module name; those of
     `EMBED_AND_HEAD` are every parameter outside the decoder layers."""
-    from lazyzero.plan.deepspeed.costs import EMBED_AND_HEAD, decoder_layer_index
-
     names = [name for name, _ in model.named_parameters()]
     decoder = [n for n in names if decoder_layer_index(".".join(n.split(".")[:3])) is not None]
     chosen = set()

@@ -18,6 +18,9 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import functools
+import resource
+
+import psutil
 
 # mallopt parameters (glibc malloc.h).
 _M_TRIM_THRESHOLD = -1
@@ -45,8 +48,6 @@ def bound_host_heap() -> bool:
 
 def resident_bytes() -> int:
     """This process's resident set size now."""
-    import psutil
-
     return psutil.Process().memory_info().rss
 
 
@@ -70,6 +71,5 @@ def peak_resident_bytes() -> int:
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
-    import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

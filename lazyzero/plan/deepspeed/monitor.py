@@ -26,8 +26,11 @@ from dataclasses import asdict, dataclass, replace
 
 import torch
 
-from lazyzero.plan.deepspeed.calibrate import predicted_compute_peak
+from lazyzero.plan.deepspeed.calibrate import calibrated_problem, predicted_compute_peak
 from lazyzero.plan.deepspeed.host_memory import peak_resident_bytes, reset_peak_resident
+from lazyzero.plan.deepspeed.implied import implied_setup
+from lazyzero.plan.report import plan_table
+from lazyzero.plan.solver.problem import PlanInfeasible
 
 # A run re-plans at most this often: each new plan is measured again, and a model that keeps missing
 # should be reported, not chased.
@@ -138,10 +141,7 @@ class PlanMonitor:
     def _replan(self, engine, check: PlanCheck, step_s: float) -> None:
         """Plans the activations again with the plan's typical step time `step_s` and `check`'s peak (the
         newest: a lazy checkpoint's snapshot memory, once held, is held in every later check)."""
-        from lazyzero.plan import PlanInfeasible
-        from lazyzero.plan.deepspeed.calibrate import calibrated_problem
         from lazyzero.plan.deepspeed.engine_setup import solve_on_rank_zero
-        from lazyzero.plan.deepspeed.implied import implied_setup
 
         problem = calibrated_problem(self.active.problem, self.active.plan, step_s,
                                      check.measured_peak_bytes, check.snapshot_taken)
@@ -162,8 +162,6 @@ class PlanMonitor:
         self.active.problem, self.active.plan = problem, plan
         self._plan_index += 1
         if engine.global_rank == 0:
-            from lazyzero.plan.report import plan_table
-
             print(plan_table(problem, plan), end="", flush=True)
             if excess:
                 print(self._excess_note(problem, plan), flush=True)

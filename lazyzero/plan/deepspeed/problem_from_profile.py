@@ -33,6 +33,8 @@ import math
 import shutil
 from dataclasses import dataclass, replace
 
+from lazyzero.checkpoint.config import CheckpointConfig
+from lazyzero.plan.deepspeed.calibrate import engine_calibrated, headroom_budget, with_compute_capacity
 from lazyzero.plan.deepspeed.costs import EMBED_AND_HEAD, FP32_BYTES, QUALITY_COST_PER_FWD_S, optimizer_state_bytes
 from lazyzero.plan.deepspeed.implied import OPTIMIZER_SWAP_BUFFERS, PARAM_SWAP_BUFFERS_PER_TENSOR, ModelSizes
 from lazyzero.plan.deepspeed.swap_buffers import largest_sub_group_bound, optimizer_swap_bytes, parameter_swap_bytes
@@ -88,8 +90,6 @@ def problem_from_profile(profile: ModelProfile, budgets: Budgets, shape: RankSha
     `process_bytes`: what the rank holds besides the model and the engine, measured just before the
     engine is built (the profile's leftovers and the training loop's data included); None: from the
     profile's own snapshot at its start."""
-    from lazyzero.plan.deepspeed.calibrate import engine_calibrated
-
     machine = _machine(profile, budgets, shape)
     offloaded_grads = machine.nvme_state_takes_grads
     layers = tuple(_layer_costs(profile, row, shape, offloaded_grads, max_grad_error) for row in profile.layers)
@@ -339,7 +339,6 @@ def problem_for_config(profile: ModelProfile, ds_config: dict, settings, world_s
     share = getattr(settings, "headroom_share", None)
     if share is None:
         return problem, sizes
-    from lazyzero.plan.deepspeed.calibrate import headroom_budget, with_compute_capacity
 
     budget = decide(lambda: headroom_budget(problem, share))
     return replace(with_compute_capacity(problem, budget.capacity_bytes), headroom=budget), sizes
@@ -405,8 +404,6 @@ CHECKPOINT_FILES_PER_RANK = 3
 
 def _checkpoint_config(ds_config: dict):
     """The run's validated "checkpoint" section when lazy checkpoints are on, else None."""
-    from lazyzero.checkpoint.config import CheckpointConfig
-
     section = ((ds_config.get("lazyzero") or {}).get("checkpoint")) or {}
     return CheckpointConfig(**section) if section.get("enabled") is True else None
 

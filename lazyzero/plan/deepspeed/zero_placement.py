@@ -45,6 +45,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Iterable, Iterator, Optional
 
 import torch
@@ -318,8 +319,6 @@ def place_partitioned_parameters(module, nvme_ids: set[int], offload_param_confi
 
 
 def _parameter_swapper(dtype: torch.dtype, offload_param_config, aio_config):
-    from types import SimpleNamespace
-
     from deepspeed.runtime.swap_tensor.partitioned_param_swapper import AsyncPartitionedParameterSwapper
 
     # The swapper reads these two fields of a DeepSpeedConfig, and nothing else.

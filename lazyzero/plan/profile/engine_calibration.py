@@ -45,10 +45,23 @@ import time
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
+import psutil
 import torch
 from torch import nn
 
+from lazyzero.distributed.launch import free_port
+from lazyzero.distributed.shm_segments import release_own_segment_name
+from lazyzero.gradients.node_layout import launcher_ranks_per_node
+from lazyzero.plan.deepspeed.host_memory import (
+    bound_host_heap,
+    peak_resident_bytes,
+    reset_peak_resident,
+    resident_bytes,
+)
+from lazyzero.plan.deepspeed.implied import nvme_calibration_ds_config
+from lazyzero.plan.deepspeed.problem_from_profile import nvme_swaps_parameters
 from lazyzero.plan.profile.data import EngineCalibration, EngineRun
+from lazyzero.plan.profile.materialize import holds_whole_model
 
 logger = logging.getLogger(__name__)
 
@@ -103,7 +116,6 @@ def own_depth_engine_layers(model: nn.Module, shallow: list[EngineRun]) -> int |
     """The depth of the engine run at the model's own depth (see the module's notes), or None; the same
     on every rank (every rank calls this together)."""
     from lazyzero.plan.profile.layers import decoder_layers
-    from lazyzero.plan.profile.materialize import holds_whole_model
 
     if torch.cuda.is_available() or not holds_whole_model(model):
         return None
@@ -125,10 +137,6 @@ def _line_peak(shallow: list[EngineRun], layers: int) -> float:
 
 def _free_host_bytes_per_rank() -> float:
     """The host memory available now, shared by the ranks of this host (their engines run at once)."""
-    import psutil
-
-    from lazyzero.gradients.node_layout import launcher_ranks_per_node
-
     return psutil.virtual_memory().available / (launcher_ranks_per_node() or _world()[1])
 
 
@@ -192,8 +200,6 @@ def _dtype(model: nn.Module) -> torch.dtype:
 
 def _shared_port() -> int:
     """A port free on rank 0's host, for the children's rendezvous, the same on every rank."""
-    from lazyzero.distributed.launch import free_port
-
     port = [free_port() if _world()[0] == 0 else None]
     if _world()[1] > 1:
         torch.distributed.broadcast_object_list(port, src=0)
@@ -236,8 +242,6 @@ def _placement(model: nn.Module, config: dict, nvme: bool, params_only: bool = F
 
 def parameters_swappable(model: nn.Module) -> bool:
     """Whether a planned run may put this model's parameters on NVMe (the planner's own rule)."""
-    from lazyzero.plan.deepspeed.problem_from_profile import nvme_swaps_parameters
-
     return nvme_swaps_parameters(str(_dtype(model)).removeprefix("torch."), on_gpu=torch.cuda.is_available())
 
 
@@ -245,7 +249,6 @@ def _run(model: nn.Module, config: dict, batch: dict, steps: int, layers: int, n
          params_only: bool = False) -> dict:
     import deepspeed
 
-    from lazyzero.plan.deepspeed.host_memory import peak_resident_bytes, reset_peak_resident, resident_bytes
     from lazyzero.plan.deepspeed.zero_placement import zero_placement
 
     before = resident_bytes()
@@ -275,9 +278,6 @@ def _child(request_path: str) -> None:
     import deepspeed
     from deepspeed import comm
 
-    from lazyzero.distributed.shm_segments import release_own_segment_name
-    from lazyzero.plan.deepspeed.host_memory import bound_host_heap
-
     request = json.loads(Path(request_path).read_text())
     bound_host_heap()
     torch.set_num_threads(request["threads"])
@@ -294,7 +294,6 @@ def _child(request_path: str) -> None:
     with _swap_folder(request) as folder:
         config = request["ds_config"]
         if folder is not None:
-            from lazyzero.plan.deepspeed.implied import nvme_calibration_ds_config
             from lazyzero.plan.profile.layers import model_sizes_of
 
             config = nvme_calibration_ds_config(config, model_sizes_of(model, request["world_size"]), str(folder),

@@ -417,8 +417,6 @@ def _replace(model: nn.Module, name: str, module: nn.Module) -> None:
 
 def layer_number(name: str) -> int:
     """The index of decoder layer `name` ("model.layers.3" -> 3)."""
-    from lazyzero.activations.policy import layer_index
-
     index = layer_index(name)
     if index is None:
         raise ValueError(f"{name!r} is not named like a decoder layer")

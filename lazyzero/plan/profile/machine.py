@@ -23,12 +23,16 @@ from __future__ import annotations
 import math
 import os
 import platform
+import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
+from lazyzero.gradients.quantized_reduce_scatter import ExchangeBuffers, quantized_reduce_scatter
+from lazyzero.ops.native_build import ensure_native
+from lazyzero.optimizer.adam8bit_optimizer import AdamW8bit
 from lazyzero.plan.profile.data import Bandwidth, CollectiveSpeed, NvmeSetup, OptimizerSpeed
 from lazyzero.plan.profile.measure import median_seconds, synchronize
 
@@ -162,9 +166,6 @@ def _deepspeed_cpu_adam(params):
 
 
 def _lazyzero_adamw8bit(params):
-    from lazyzero.ops.native_build import ensure_native
-    from lazyzero.optimizer import AdamW8bit
-
     native = ensure_native(params[0].device.type)
     return AdamW8bit(params, **HYPERPARAMETERS), "native" if native else "reference"
 
@@ -243,8 +244,6 @@ def collective_speeds(numel: int, dtype: torch.dtype, device: torch.device, repe
 def _int8_cases(whole: torch.Tensor) -> dict[str, Callable]:
     """lazyzero's int8 reduce-scatter of `whole` as the gradient exchange calls it (scratch buffers
     reused, the default block size), without and with an error-feedback residual."""
-    from lazyzero.gradients import ExchangeBuffers, quantized_reduce_scatter
-
     buffers, residual = ExchangeBuffers(), torch.zeros(whole.numel(), dtype=torch.float32, device=whole.device)
     return {"int8_reduce_scatter": lambda: quantized_reduce_scatter(whole, buffers=buffers),
             "int8_reduce_scatter_error_feedback": lambda: quantized_reduce_scatter(whole, buffers=buffers,
@@ -252,8 +251,6 @@ def _int8_cases(whole: torch.Tensor) -> dict[str, Callable]:
 
 
 def _collective_seconds(work: Callable, repeats: int, warmup: int, device: torch.device) -> float:
-    import statistics
-
     import deepspeed.comm as dist
 
     times = []

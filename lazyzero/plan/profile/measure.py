@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import psutil
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -129,6 +130,4 @@ def median_seconds(work: Callable[[], object], repeats: int, warmup: int, device
 
 def process_rss_bytes() -> int:
     """Resident memory of this process now."""
-    import psutil
-
     return int(psutil.Process(os.getpid()).memory_info().rss)

@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from lazyzero._version import __version__ as lazyzero_version
 from lazyzero.activations.config import ActivationsConfig
 from lazyzero.plan.deepspeed.costs import EMBED_AND_HEAD
 from lazyzero.plan.profile import grad_error as grad_error_
@@ -48,6 +49,7 @@ from lazyzero.plan.profile.data import (
     MemorySnapshot,
     ModelProfile,
 )
+from lazyzero.plan.profile.engine_calibration import calibrate_engine
 from lazyzero.plan.profile.materialize import held_bytes
 from lazyzero.plan.profile.measure import process_rss_bytes
 from lazyzero.plan.solver.problem import BIT_WIDTHS
@@ -137,8 +139,6 @@ def model_dtype(model: nn.Module) -> torch.dtype:
 
 def fingerprint(model: nn.Module, request: _Request) -> Fingerprint:
     import deepspeed
-
-    from lazyzero._version import __version__ as lazyzero_version
 
     return Fingerprint(
         model_config_sha256=model_config_sha256(model), micro_batch=request.micro_batch, seq_len=request.seq_len,
@@ -326,7 +326,6 @@ def _engine(model: nn.Module, request: _Request, phases: _Phases):
     """Engines of the model cut to a few layers under the calibration config (profile_engine.py)."""
     if request.engine_config is None:
         return None
-    from lazyzero.plan.profile.engine_calibration import calibrate_engine
 
     phases.start("engine")
     batch = layers_.profiling_batch(request.micro_batch, request.seq_len, model.config.vocab_size,

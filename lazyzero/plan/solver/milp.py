@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 
 import mip
 
+from lazyzero.plan.solver.greedy import greedy_plan
 from lazyzero.plan.solver.milp_transfers import GB, add_activation_flows, flow_window, per_layer_transfers
 from lazyzero.plan.solver.problem import (
     PLACED_KINDS,
@@ -86,8 +87,6 @@ def solve(problem: PlanProblem, time_limit_s: float = 10, max_gap: float = 0.01,
     """Optimal (or, at the time limit, best found) plan. Without `warm_start` the greedy plan is
     used when one exists; when CBC has found no plan by the time limit, the warm start is returned
     as it is. Raises PlanInfeasible naming the binding budget(s)."""
-    from lazyzero.plan.solver.greedy import greedy_plan
-
     started = time.perf_counter()
     if warm_start is None:
         try:

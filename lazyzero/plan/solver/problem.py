@@ -51,6 +51,12 @@ def _require_nonnegative(owner: object, names: tuple[str, ...]) -> None:
         _require(isinstance(value, (int, float)) and value >= 0, name, f"must be a number >= 0, got {value!r}")
 
 
+def _require_one_of(owner: object, names: tuple[str, ...], allowed: tuple) -> None:
+    for name in names:
+        value = getattr(owner, name)
+        _require(value in allowed, name, f"got {value!r}; allowed: {allowed}")
+
+
 @dataclass(frozen=True)
 class LayerCosts:
     """What one layer costs: compute seconds on the device, and bytes.
@@ -159,7 +165,7 @@ class Tier:
     capacity_bytes: int
 
     def __post_init__(self):
-        _require(self.name in TIER_NAMES, "name", f"got {self.name!r}; allowed: {TIER_NAMES}")
+        _require_one_of(self, ("name",), TIER_NAMES)
         _require_nonnegative(self, ("capacity_bytes",))
 
 
@@ -169,7 +175,7 @@ class Path:
     bytes_per_s: float
 
     def __post_init__(self):
-        _require(self.name in PATH_NAMES, "name", f"got {self.name!r}; allowed: {PATH_NAMES}")
+        _require_one_of(self, ("name",), PATH_NAMES)
         _require(self.bytes_per_s > 0, "bytes_per_s", f"must be > 0, got {self.bytes_per_s!r}")
 
 
@@ -436,10 +442,9 @@ class LayerPlan:
     state_8bit: bool
 
     def __post_init__(self):
-        _require(self.act_mode in ("keep", "recompute"), "act_mode", f"got {self.act_mode!r}")
-        _require(self.act_bits in BIT_WIDTHS, "act_bits", f"got {self.act_bits!r}; allowed {BIT_WIDTHS}")
-        for name in ("act_tier", "param_tier", "state_tier"):
-            _require(getattr(self, name) in TIER_NAMES, name, f"got {getattr(self, name)!r}")
+        _require_one_of(self, ("act_mode",), ("keep", "recompute"))
+        _require_one_of(self, ("act_bits",), BIT_WIDTHS)
+        _require_one_of(self, ("act_tier", "param_tier", "state_tier"), TIER_NAMES)
         if self.act_mode == "recompute":
             _require(self.act_bits == 16 and self.act_tier == "gpu", "act_mode",
                      "a recomputed layer has act_bits 16 and act_tier 'gpu'")
@@ -606,7 +611,7 @@ class Plan:
     solve_s: float = 0.0
 
     def __post_init__(self):
-        _require(self.source in PLAN_SOURCES, "source", f"got {self.source!r}; allowed {PLAN_SOURCES}")
+        _require_one_of(self, ("source",), PLAN_SOURCES)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=1)

@@ -152,8 +152,8 @@ def build_parser() -> argparse.ArgumentParser:
     ckpt = sub.add_parser("ckpt", help="list, verify or export lazyzero checkpoints").add_subparsers(
         dest="action", required=True)
     add_ckpt_commands(ckpt)
-    env = sub.add_parser("env", help="versions, native ops, DeepSpeed internals, NVMe, MPI and accelerators "
-                                     "(for bug reports)")
+    env = sub.add_parser("env", help="versions, native ops, DeepSpeed internals, NVMe, MPI, accelerators "
+                                     "and background priority (for bug reports)")
     env.add_argument("--json", action="store_true", help="print the report as JSON")
     env.set_defaults(func=_env)
     return parser

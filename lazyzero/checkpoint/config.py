@@ -40,6 +40,12 @@ class CheckpointConfig(ConfigSection):
     writer_threads: int = Field(2, ge=1, le=64)
     """Threads writing checkpoint files in the background."""
 
+    background_priority: Literal["idle", "normal"] = "idle"
+    """The priority of the background threads (snapshot copy, writers, flush and commit): "idle" puts each in Linux's
+    idle CPU scheduling class (SCHED_IDLE) and idle I/O priority class, so that training's threads always preempt
+    them; where the platform refuses, they run at normal priority (`lazyzero env` says why). "normal": training's
+    priority."""
+
     verify_on_load: bool = True
     """Check every file's size and hash against the manifest before loading (docs/reliability.md, guarantee 2)."""
 

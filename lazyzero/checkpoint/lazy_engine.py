@@ -10,8 +10,10 @@ Per checkpoint, in the background:
   2. a flush thread writes the remaining files (writer pool) and fsyncs every file;
   3. all ranks agree on a side gloo group (each rank's files and hashes, or its error); rank 0
      commits (commit.py) and broadcasts the outcome.
-A failure anywhere is kept and raised on this rank's next save, wait or optimizer step
-(docs/reliability.md, guarantee 4); the temporary data is removed and `latest` is not advanced.
+Every one of these threads runs in the idle CPU and I/O classes (idle_priority.py), so training's
+threads preempt them. A failure anywhere is kept and raised on this rank's next save, wait or
+optimizer step (docs/reliability.md, guarantee 4); the temporary data is removed and `latest` is not
+advanced.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from lazyzero.checkpoint.commit import (
 from lazyzero.checkpoint.durable_io import FILE_OVERHEAD_BYTES, check_free_space, remove_tree
 from lazyzero.checkpoint.faults import failpoint
 from lazyzero.checkpoint.folder_layout import check_tag, leftover_dirs, temp_dir
+from lazyzero.checkpoint.idle_priority import NORMAL, ThreadPriority, lower_current_thread
 from lazyzero.checkpoint.manifest import Manifest
 from lazyzero.checkpoint.snapshot import (
     BufferBudget,
@@ -116,9 +119,11 @@ class LazyCheckpointEngine(CheckpointEngine):
         self._copy_queue: queue.Queue = queue.Queue()
         self._flush_queue: queue.Queue = queue.Queue()
         self._background_clocks = BackgroundClocks()
+        # Thread name -> the priority that thread runs at, recorded by the thread itself as it starts.
+        self.thread_priorities: dict[str, ThreadPriority] = {}
         self._writers = ThreadPoolExecutor(config.writer_threads, thread_name_prefix="lazyzero-ckpt-writer",
                                            initializer=self._start_background_thread)
-        self._staging = StagingBlocks(budget)
+        self._staging = StagingBlocks(budget, thread_start=self._start_background_thread)
         self._side_stream = torch.cuda.Stream() if on_cuda else None
         self._threads = [threading.Thread(target=self._copy_loop, name="lazyzero-ckpt-copy", daemon=True),
                          threading.Thread(target=self._flush_loop, name="lazyzero-ckpt-flush", daemon=True)]
@@ -316,8 +321,16 @@ class LazyCheckpointEngine(CheckpointEngine):
             checkpoint.cuda_copies.synchronize()
 
     def _start_background_thread(self) -> None:
+        """First thing in every background thread: count its CPU clock, and let training's threads
+        preempt it (idle CPU and I/O classes; docs/checkpoint.md, "Scheduling")."""
         self._background_clocks.register_current()
-        _lower_priority()
+        if self.config.background_priority == "idle":
+            priority = lower_current_thread()
+        else:
+            priority = ThreadPriority(threading.get_native_id(), NORMAL, NORMAL,
+                                      "lazyzero.checkpoint.background_priority: normal")
+        with self._lock:
+            self.thread_priorities[threading.current_thread().name] = priority
 
     def _copy_loop(self) -> None:
         self._start_background_thread()
@@ -446,17 +459,6 @@ def _side_group(world_size: int, timeout: timedelta | None):
     if timeout is None:
         timeout = timedelta(seconds=DistributedConfig().timeout_s)
     return torch.distributed.new_group(backend="gloo", timeout=timeout)
-
-
-def _lower_priority() -> None:
-    """Run this thread only on CPU time training leaves idle (Linux SCHED_IDLE): where training
-    keeps every core busy (a CPU-only run), background work must not slow it; where the host is
-    mostly idle (GPU training) this costs nothing. The copies need no deadline of their own either:
-    once the next optimizer step waits for them, training is idle and they run."""
-    try:
-        os.sched_setscheduler(threading.get_native_id(), os.SCHED_IDLE, os.sched_param(0))
-    except (AttributeError, OSError):
-        pass  # not Linux: normal priority
 
 
 def _wait_slice(deadline: float | None) -> float:

@@ -20,6 +20,7 @@ import mmap
 import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Callable
 
 import numpy as np
 
@@ -36,11 +37,13 @@ IO_THREADS = 2  # two writes in flight keep a device busy; the copies are the CP
 class StagingBlocks:
     """Page-aligned blocks drawn from the snapshot budget, reused across checkpoints, and the threads
     that write them (`io_pool`). At the budget's limit a writer waits for a block the disk is done
-    with (the snapshot then runs at the disk's pace); the limit must leave room for one block."""
+    with (the snapshot then runs at the disk's pace); the limit must leave room for one block.
+    `thread_start` runs first in each I/O thread (the engine's: its priority and CPU clock)."""
 
-    def __init__(self, budget: BufferBudget, io_threads: int = IO_THREADS, block_bytes: int = BLOCK_BYTES):
+    def __init__(self, budget: BufferBudget, io_threads: int = IO_THREADS, block_bytes: int = BLOCK_BYTES,
+                 thread_start: Callable[[], None] | None = None):
         self.block_bytes = block_bytes
-        self.io_pool = ThreadPoolExecutor(io_threads, thread_name_prefix="lazyzero-ckpt-io")
+        self.io_pool = ThreadPoolExecutor(io_threads, thread_name_prefix="lazyzero-ckpt-io", initializer=thread_start)
         self._budget = budget
         self._free: list[mmap.mmap] = []
         self._allocated = 0

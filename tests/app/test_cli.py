@@ -73,7 +73,7 @@ def test_env_reports_versions_ops_internals_nvme_mpi_and_accelerators():
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout)
     assert list(report) == ["versions", "native ops", "DeepSpeed internals", "NVMe offload", "MPI", "accelerators",
-                            "platform"]
+                            "background priority", "platform"]
     assert f"torch: {torch.__version__}" in report["versions"]
     assert f"deepspeed: {deepspeed.__version__}" in report["versions"]
     assert report["native ops"][0].startswith("cpu ") and report["native ops"][1].startswith("cuda ")
@@ -81,6 +81,9 @@ def test_env_reports_versions_ops_internals_nvme_mpi_and_accelerators():
     assert report["DeepSpeed internals"][-1].startswith(f"DeepSpeed {deepspeed.__version__}: inside the tested range ")
     assert any(line.startswith("DeepSpeed async_io op: ") for line in report["NVMe offload"])
     assert any(line.startswith("DeepSpeed accelerator: ") for line in report["accelerators"])
+    cpu_line, io_line = report["background priority"]
+    assert cpu_line.startswith("idle CPU priority for checkpoint threads (SCHED_IDLE): ")
+    assert io_line.startswith("idle I/O priority for checkpoint threads (IOPRIO_CLASS_IDLE): ")
 
 
 def test_env_survives_a_probe_that_fails(monkeypatch):

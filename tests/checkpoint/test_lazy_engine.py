@@ -1,13 +1,21 @@
 """LazyCheckpointEngine in one process (no process group): the calls DeepSpeed's save_checkpoint
-makes, in its order, then what is on disk; the host-buffer limit; and, on CUDA, copies on the side
-stream overlapping compute issued after the save returned."""
+makes, in its order, then what is on disk; the host-buffer limit; the background threads' priority;
+and, on CUDA, copies on the side stream overlapping compute issued after the save returned."""
+
+import ctypes
+import errno
+import os
+import sys
+import threading
 
 import pytest
 import torch
 from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo
 
+from lazyzero.checkpoint import idle_priority
 from lazyzero.checkpoint.config import CheckpointConfig
 from lazyzero.checkpoint.folder_layout import read_latest
+from lazyzero.checkpoint.idle_priority import IDLE, IOPRIO_CLASS_IDLE, NORMAL, thread_io_class
 from lazyzero.checkpoint.lazy_engine import LazyCheckpointEngine
 from lazyzero.checkpoint.manifest import verify_checkpoint
 from lazyzero.checkpoint.snapshot import HostBufferLimitError
@@ -132,4 +140,65 @@ def test_commit_figures_count_the_background_threads_cpu_and_the_waits(tmp_path)
     assert first["tag"] == "step1" and first["slot_wait_s"] < 0.05
     assert 0.01 <= first["background_cpu_s"] <= 4 * first["queued_to_committed_s"] + 0.02
     assert 0 <= first["step_wait_s"] <= first["queued_to_committed_s"]
+    engine.close()
+
+
+BACKGROUND_THREADS = {"lazyzero-ckpt-copy", "lazyzero-ckpt-flush", "lazyzero-ckpt-writer", "lazyzero-ckpt-io"}
+linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="SCHED_IDLE and ioprio are Linux's")
+
+
+def _save_through_every_thread(engine, save_dir) -> dict:
+    """A save whose file passes through the copy, writer and I/O threads (three staging blocks) and
+    the flush thread; the priorities the threads recorded, each by its pool's name."""
+    _save(engine, save_dir, "step1", {"w": torch.randn(3 * BLOCK_BYTES // 4)})
+    engine.before_optimizer_step()
+    engine.wait()
+    verify_checkpoint(save_dir / "step1")
+    priorities = dict(engine.thread_priorities)
+    assert {name.rsplit("_", 1)[0] for name in priorities} == BACKGROUND_THREADS
+    return priorities
+
+
+@linux_only
+def test_background_threads_run_in_the_idle_classes_and_the_training_thread_does_not(tmp_path):
+    training_policy = os.sched_getscheduler(0)
+    if training_policy == os.SCHED_IDLE:
+        pytest.skip("the test process already runs at idle priority")
+    engine = _engine()
+    for name, priority in _save_through_every_thread(engine, tmp_path).items():
+        assert (priority.cpu, priority.io, priority.reason) == (IDLE, IDLE, None), name
+        # Read by the kernel from this thread, not as the background thread reported it.
+        assert os.sched_getscheduler(priority.native_id) == os.SCHED_IDLE, name
+        assert thread_io_class(priority.native_id) == IOPRIO_CLASS_IDLE, name
+    assert os.sched_getscheduler(0) == training_policy
+    assert thread_io_class(threading.get_native_id()) != IOPRIO_CLASS_IDLE
+    engine.close()
+
+
+@linux_only
+def test_background_priority_normal_leaves_the_threads_at_training_priority(tmp_path):
+    training_policy = os.sched_getscheduler(0)
+    engine = _engine(background_priority="normal")
+    for name, priority in _save_through_every_thread(engine, tmp_path).items():
+        assert (priority.cpu, priority.io) == (NORMAL, NORMAL), name
+        assert priority.reason == "lazyzero.checkpoint.background_priority: normal"
+        assert os.sched_getscheduler(priority.native_id) == training_policy, name
+        assert thread_io_class(priority.native_id) != IOPRIO_CLASS_IDLE, name
+    engine.close()
+
+
+def test_a_platform_that_refuses_idle_priority_still_commits(tmp_path, monkeypatch):
+    def refused_scheduler(*args):
+        raise PermissionError(errno.EPERM, os.strerror(errno.EPERM))
+
+    def refused_syscall(*args):
+        ctypes.set_errno(errno.EPERM)
+        return -1
+
+    monkeypatch.setattr(os, "sched_setscheduler", refused_scheduler, raising=False)
+    monkeypatch.setattr(idle_priority, "_syscall", refused_syscall)
+    engine = _engine()
+    for name, priority in _save_through_every_thread(engine, tmp_path).items():
+        assert (priority.cpu, priority.io) == (NORMAL, NORMAL), name
+        assert "refused" in priority.reason or "not offered" in priority.reason, name
     engine.close()

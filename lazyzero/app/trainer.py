@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import os
 import random
 import statistics
 import time
@@ -16,8 +15,8 @@ import torch
 from lazyzero.app.data_order import StepBatches
 from lazyzero.app.model_build import start_ranks, zero_init_config
 from lazyzero.app.run_report import StepLog, peak_memory_bytes, write_run_report
+from lazyzero.distributed.cpu_threads import share_cpu_cores
 from lazyzero.engine.initialize import initialize
-from lazyzero.gradients.node_layout import LAUNCHER_LOCAL_SIZE
 
 # Largest model whose parameters evaluation gathers whole on every rank (see _whole_params_if_small).
 EVAL_GATHER_LIMIT_BYTES = 2 * 2**30
@@ -234,7 +233,7 @@ def load_training_inputs(args: argparse.Namespace, ds_config: dict | None = None
     from lazyzero.app.data.tokenizer import load_tokenizer
     from lazyzero.models.build import build_model
 
-    _share_cpu_cores()
+    share_cpu_cores()
     _seed_every_generator(args.seed)
     tokenizer = load_tokenizer(args.tokenizer, model=args.model)
     train_set, eval_problems = _build_datasets(args, tokenizer)
@@ -259,15 +258,6 @@ def _seed_every_generator(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
-
-
-def _share_cpu_cores() -> None:
-    """On CPU, split the cores among the ranks of this host unless OMP_NUM_THREADS says otherwise:
-    neither the deepspeed launcher nor mpirun does, and two ranks with all cores each thrash."""
-    if torch.cuda.is_available() or "OMP_NUM_THREADS" in os.environ:
-        return
-    local_ranks = next((int(os.environ[k]) for k in LAUNCHER_LOCAL_SIZE if k in os.environ), 1)
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_ranks))
 
 
 def _build_datasets(args: argparse.Namespace, tokenizer):

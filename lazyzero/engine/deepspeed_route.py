@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from lazyzero.distributed.cpu_threads import share_cpu_cores
 from lazyzero.engine.accelerate_ranks import route_accelerate_rank_count, unroute_accelerate_rank_count
 from lazyzero.engine.deepspeed_args import DEEPSPEED_DEFAULT_PORT, config_in_args
 from lazyzero.feature import Feature
@@ -23,7 +24,8 @@ SECTION = "lazyzero"
 def patch_deepspeed() -> None:
     """Route `deepspeed.initialize` to `initialize_from_any_caller`, and with it what each capability
     changes in the installed trainers (`Feature.patch_trainers`: the checkpoint-folder rules) and
-    Accelerate's count of CPU ranks (engine/accelerate_ranks.py). Calling it again does nothing."""
+    Accelerate's count of CPU ranks (engine/accelerate_ranks.py); on CPU ranks it shares the host's
+    cores among them (distributed/cpu_threads.py). Calling it again does nothing."""
     import deepspeed
 
     from lazyzero.engine.features import call_on_classes
@@ -32,6 +34,7 @@ def patch_deepspeed() -> None:
     route_function(deepspeed, "initialize", initialize_from_any_caller, owner=OWNER)
     call_on_classes(Feature.patch_trainers)
     route_accelerate_rank_count()
+    share_cpu_cores()
 
 
 def unpatch_deepspeed() -> bool:

@@ -16,9 +16,9 @@ import os
 import torch
 import torch.distributed as dist
 
+from lazyzero.distributed.cpu_threads import LAUNCHER_LOCAL_SIZE
 from lazyzero.gradients import NodeGroups, build_node_groups, group_ranks
 
-LAUNCHER_LOCAL_SIZE = ("LOCAL_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "LOCAL_WORLD_SIZE")
 LAUNCHER_LOCAL_RANK = ("LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK")
 
 

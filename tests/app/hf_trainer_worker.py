@@ -107,7 +107,7 @@ def main() -> None:
                   "resumed_from": resumed_from and Path(resumed_from).name,
                   "committed_at_save": checker.committed_at_save,
                   "checkpoints": sorted(p.name for p in Path(args.output_dir).glob("checkpoint-*")),
-                  "optimizer_class": type(engine.basic_optimizer).__name__}
+                  "optimizer_class": type(engine.basic_optimizer).__name__, "threads": torch.get_num_threads()}
         (Path(out) / "result.json").write_text(json.dumps(result))
     torch.distributed.barrier()
     engine.destroy()

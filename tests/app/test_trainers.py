@@ -5,6 +5,7 @@ values the trainers fill in). Real processes, no mocks."""
 
 import csv
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -78,12 +79,15 @@ def test_hf_trainer_builds_a_lazyzero_engine_with_every_feature_on(hf_trainer_ru
     # save_total_limit 1: the newest, and the one before it when the newest was still being written at
     # rotation (an uncommitted folder does not count toward the limit: docs/checkpoint.md, "Under the Trainer").
     assert result["checkpoints"] in ([f"checkpoint-{STEPS}"], [f"checkpoint-{STEPS - 1}", f"checkpoint-{STEPS}"])
-    # TrainerLogsCallback: every log entry of the Trainer's history holds the step's lazyzero metrics.
+    # TrainerLogsCallback: every log entry of the Trainer's history holds the step's lazyzero metrics,
+    # and the step's time.
     assert [entry["step"] for entry in result["logged"]] == list(range(1, STEPS + 1))
     for entry, recorded in zip(result["logged"], result["metrics"]):
-        assert all(f"lazyzero/{key}" in entry for key in EVERY_STEP), entry
+        assert all(f"lazyzero/{key}" in entry for key in EVERY_STEP + ("step_s",)), entry
         assert entry["lazyzero/grad_wire_bytes"] == recorded["grad_wire_bytes"]  # the same on every rank
     assert all(result["logged"][-1][f"lazyzero/{key}"] > 0 for key in NONZERO), result["logged"][-1]
+    # patch_deepspeed() shared the cores among the 2 ranks (Accelerate would give each rank all of them).
+    assert result["threads"] == max(1, os.cpu_count() // 2)
 
 
 @pytest.mark.multiproc

@@ -20,6 +20,7 @@ from pydantic import Field
 from lazyzero.config.errors import Problem
 from lazyzero.config.fieldtypes import MemorySize, NonEmptyStr
 from lazyzero.config.section import ConfigSection
+from lazyzero.config.trainer_values import AUTO
 
 
 class PlanConfig(ConfigSection):
@@ -154,7 +155,9 @@ def _deepspeed_problems(ds_config: dict) -> list[Problem]:
             problems.append(Problem.conflict(f"zero_optimization.{name}.device", section["device"],
                                              "'none' (or no section)", _WHY_PLANNED))
     accumulation = ds_config.get("gradient_accumulation_steps", 1)
-    if accumulation != 1:
+    # "auto" is the trainer's to fill in (config/trainer_values.py); the built engine's value is checked
+    # again when the plan is applied (deepspeed/engine_setup.py).
+    if accumulation not in (1, AUTO):
         problems.append(Problem.conflict(
             "gradient_accumulation_steps", accumulation, "1 while lazyzero.plan.enabled is true",
             "the planner models one forward and backward per optimizer step; use a larger micro-batch instead"))

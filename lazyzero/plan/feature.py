@@ -54,6 +54,18 @@ class PlanFeature(Feature):
     def step_metrics(self, engine) -> dict:
         return self.monitor.step_metrics() if self.monitor is not None else {}
 
+    def keeps_rank_state(self, engine) -> bool:
+        return self.monitor is not None
+
+    def rank_state(self, engine) -> dict:
+        return {"plan": self.monitor.saved_state()} if self.monitor is not None else {}
+
+    def load_rank_state(self, engine, state: dict) -> None:
+        if self.monitor is not None and "plan" in state:
+            line = self.monitor.resume_from(engine, state["plan"])
+            if engine.global_rank == 0:
+                print(line, flush=True)
+
     def report(self, engine) -> dict:
         """The plan and every comparison of measured with predicted; the placement's tiers."""
         report = {}

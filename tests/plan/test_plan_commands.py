@@ -142,3 +142,23 @@ def test_implied_widths_reach_the_activation_policy_as_planned():
     share = round((savings[0] + savings[5]) / sum(savings), 4)
     assert section["optimizer"] == {"enabled": True, "type": "adamw8bit", "fraction_8bit": share}
     assert eight_bit_share(problem, plan) == share
+
+
+def test_a_replans_config_drops_what_the_running_plan_set_for_its_layers(tmp_path):
+    """A re-plan's base is the running plan's config: its offloaded layers may be the new plan's
+    recomputed ones (a SmolLM2 run under the Trainer stopped on exactly that), and a new plan that
+    keeps everything at 16 bits leaves the section off. The user's own settings stay."""
+    problem = problem_from_preset("demo", gpu_mem=GB, cpu_mem=GB, nvme_path=str(tmp_path), seq=256, micro_batch=2,
+                                  **SPEEDS)
+    keep16 = LayerPlan("keep", 16, "gpu", "gpu", "gpu", False)
+    offloaded = [LayerPlan("keep", 8, "nvme", "gpu", "gpu", False)] * 6 + [keep16]
+    recomputed = [LayerPlan("recompute", 16, "gpu", "gpu", "gpu", False)] * 6 + [keep16]
+    running = implied_ds_config(problem, evaluate_layers(problem, offloaded, "greedy"), nvme_path=str(tmp_path))
+    running["lazyzero"]["activations"]["block_size"] = 128  # the user's
+    section = implied_ds_config(problem, evaluate_layers(problem, recomputed, "greedy"), base=running,
+                                nvme_path=str(tmp_path))["lazyzero"]["activations"]
+    assert section["recompute_layers"] == list(range(6)) and "offload_layers" not in section
+    assert section["block_size"] == 128
+    ActivationsConfig(**section)  # valid as a whole
+    unchanged = implied_ds_config(problem, evaluate_layers(problem, [keep16] * 7, "greedy"), base=running)
+    assert unchanged["lazyzero"]["activations"] == {"block_size": 128}

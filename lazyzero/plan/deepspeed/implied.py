@@ -71,9 +71,15 @@ def implied_setup(problem: PlanProblem, plan: Plan, base: dict | None = None, *,
     if sizes is not None:
         zero.update(_transient_memory_settings(sizes, bool(param_layers)))
     section = config.setdefault("lazyzero", {})
+    # The user's own activation settings stay; what an earlier plan set for its layers (a re-plan's
+    # base is the running plan's config) does not: its offloaded layers may be this plan's recomputed ones.
+    users = {name: value for name, value in section.get("activations", {}).items()
+             if name not in ActivationsConfig.planned_fields}
     activations = _activations_section(problem, plan, nvme_path)
     if activations is not None:
-        section["activations"] = {**section.get("activations", {}), **activations}
+        section["activations"] = {**users, **activations}
+    elif "activations" in section:
+        section["activations"] = users
     if any(lp.state_8bit for lp in plan.layers):
         base_type = str(config.get("optimizer", {}).get("type", "adamw")).lower()
         section["optimizer"] = {**section.get("optimizer", {}), "enabled": True,

@@ -30,7 +30,7 @@ from lazyzero.plan.deepspeed.calibrate import calibrated_problem, predicted_comp
 from lazyzero.plan.deepspeed.host_memory import peak_resident_bytes, reset_peak_resident
 from lazyzero.plan.deepspeed.implied import implied_setup
 from lazyzero.plan.report import plan_table
-from lazyzero.plan.solver.problem import PlanInfeasible
+from lazyzero.plan.solver.problem import Plan, PlanInfeasible
 
 # A run re-plans at most this often: each new plan is measured again, and a model that keeps missing
 # should be reported, not chased.
@@ -41,6 +41,7 @@ MAX_REPLANS = 2
 # be beyond the margin too, and is what the new plan is calibrated with (the README job's runs:
 # benchmarks/results/records/2026-12-05-planner-readme-job-runs.md).
 CONFIRMING_CHECKS = 2
+UNPRICED_NOTE = "; a lazy checkpoint was being written, which the plan does not price (plan.checkpoint_every)"
 
 
 @dataclass(frozen=True)
@@ -56,6 +57,10 @@ class PlanCheck:
     snapshot_taken: bool = False
     """Whether a lazy checkpoint's snapshot memory was held (from the first save on): the
     prediction compared is the plan's peak with it, else without it (calibrate.predicted_compute_peak)."""
+    unpriced_checkpoint: bool = False
+    """Whether a lazy checkpoint's background copies and writes ran during the measured steps while
+    the plan did not price them (`plan.checkpoint_every` null): the step time measured is then not the
+    plan's step, so it is reported but neither confirms a re-plan nor calibrates one."""
 
     @property
     def step_time_error(self) -> float:
@@ -69,7 +74,8 @@ class PlanCheck:
         return (f"lazyzero plan {self.plan_index}: step time measured {self.measured_step_s:.3f} s vs predicted "
                 f"{self.predicted_step_s:.3f} s ({100 * self.step_time_error:+.1f}%), peak memory measured "
                 f"{self.measured_peak_bytes / 1e9:.3f} GB vs predicted {self.predicted_peak_bytes / 1e9:.3f} GB "
-                f"({100 * self.peak_error:+.1f}%){'; planning again' if self.replanned else ''}")
+                f"({100 * self.peak_error:+.1f}%){UNPRICED_NOTE if self.unpriced_checkpoint else ''}"
+                f"{'; planning again' if self.replanned else ''}")
 
     def as_record(self) -> dict:
         return {**asdict(self), "step_time_error": self.step_time_error, "peak_error": self.peak_error}
@@ -83,11 +89,14 @@ class PlanMonitor:
         self.settings = active_plan.lazyzero_config.plan
         self.checks: list[PlanCheck] = []
         self._step_ends: list[float] = []
+        self._checkpoint_overlapped = False
         self._plan_index = 0
         self._reported: PlanCheck | None = None
         self._plan_checks: list[PlanCheck] = []
         """The checks of the active plan, newest last."""
         self._no_plan_found = False
+        self.activations_in_force = (active_plan.setup.ds_config.get("lazyzero") or {}).get("activations")
+        """The "activations" section the engine runs with: the first plan's, then each re-plan's."""
         self.excess_over_budget: list[float | None] = []
         """Per re-plan: how far over the compute-memory budget it had to plan (0.0: within; None: no
         plan at all, the run went on with the one it had)."""
@@ -96,6 +105,8 @@ class PlanMonitor:
         self._step_ends.append(time.perf_counter())
         if len(self._step_ends) == 1:
             _reset_peak()
+            self._checkpoint_overlapped = False
+        self._checkpoint_overlapped |= _checkpoint_in_flight(engine)
         if len(self._step_ends) < self.settings.measure_steps + 1:
             return
         check = self._compare(engine)
@@ -113,14 +124,16 @@ class PlanMonitor:
         durations = [b - a for a, b in zip(self._step_ends, self._step_ends[1:])]
         # Whether a lazy checkpoint's snapshot memory is held: any rank's (they save together).
         held = float(getattr(getattr(engine, "checkpoint_engine", None), "holds_snapshot_memory", False))
-        measured = torch.tensor([statistics.median(durations), float(_peak()), held], dtype=torch.float64)
+        unpriced = float(self._checkpoint_overlapped and self.settings.checkpoint_every is None)
+        measured = torch.tensor([statistics.median(durations), float(_peak()), held, unpriced], dtype=torch.float64)
         measured = measured.to(engine.device)
         torch.distributed.all_reduce(measured, op=torch.distributed.ReduceOp.MAX)
-        step_s, peak, held = measured.tolist()
+        step_s, peak, held, unpriced = measured.tolist()
         plan = self.active.plan
         taken = held > 0
         predicted_peak = predicted_compute_peak(self.active.problem, plan, taken)
-        check = PlanCheck(self._plan_index, plan.predicted_step_s, step_s, predicted_peak, peak, False, taken)
+        check = PlanCheck(self._plan_index, plan.predicted_step_s, step_s, predicted_peak, peak, False, taken,
+                          unpriced > 0)
         newest = (self._plan_checks + [check])[-CONFIRMING_CHECKS:]
         confirmed = (len(newest) == CONFIRMING_CHECKS and all(map(self._beyond_margin, newest))
                      and self._beyond_margin(self._typical(check)))
@@ -129,14 +142,16 @@ class PlanMonitor:
         return replace(check, replanned=replan)
 
     def _beyond_margin(self, check: PlanCheck) -> bool:
-        return max(abs(check.step_time_error), abs(check.peak_error)) > self.settings.replan_margin
+        step_error = 0.0 if check.unpriced_checkpoint else abs(check.step_time_error)
+        return max(step_error, abs(check.peak_error)) > self.settings.replan_margin
 
     def _typical(self, newest: PlanCheck) -> PlanCheck:
         """`newest` with the median step time of every check of its plan, the earlier ones and it: each
-        measures the same plan, and a spell of load is not the plan's step. The peak stays the newest's:
-        it is a high-water mark, and a lazy checkpoint's snapshot, once held, is held in every later check."""
-        steps = [check.measured_step_s for check in self._plan_checks + [newest]]
-        return replace(newest, measured_step_s=statistics.median(steps))
+        measures the same plan, and a spell of load is not the plan's step; checks that an unpriced lazy
+        checkpoint overlapped are left out (none left: the prediction). The peak stays the newest's: it
+        is a high-water mark, and a lazy checkpoint's snapshot, once held, is held in every later check."""
+        steps = [check.measured_step_s for check in self._plan_checks + [newest] if not check.unpriced_checkpoint]
+        return replace(newest, measured_step_s=statistics.median(steps) if steps else newest.predicted_step_s)
 
     def _replan(self, engine, check: PlanCheck, step_s: float) -> None:
         """Plans the activations again with the plan's typical step time `step_s` and `check`'s peak (the
@@ -158,7 +173,8 @@ class PlanMonitor:
             return
         setup = implied_setup(problem, plan, base=self.active.setup.ds_config,
                               nvme_path=self.settings.nvme_path)
-        engine.lazyzero_reconfigure("activations", setup.ds_config.get("lazyzero", {}).get("activations"))
+        self.activations_in_force = setup.ds_config.get("lazyzero", {}).get("activations")
+        engine.lazyzero_reconfigure("activations", self.activations_in_force)
         self.active.problem, self.active.plan = problem, plan
         self._plan_index += 1
         if engine.global_rank == 0:
@@ -183,6 +199,28 @@ class PlanMonitor:
                 f"at {peak / 1e9:.2f} GB against {budget / 1e9:.2f} GB per rank. Restart with a larger "
                 f"lazyzero.plan.cpu_mem (gpu_mem on CUDA) or memory_reserve to plan the placements again.")
 
+    def saved_state(self) -> dict:
+        """What a checkpoint keeps of the plan in force, for `resume_from`."""
+        return {"plan_index": self._plan_index, "plan": self.active.plan.to_json(),
+                "activations": self.activations_in_force, "no_plan_found": self._no_plan_found}
+
+    def resume_from(self, engine, state: dict) -> str:
+        """Continue with the plan that was in force when `state` was saved, so that a resumed run trains
+        as the uninterrupted one did; returns what was done, in a line. Only the activation choices can
+        change in a built engine: where the saved plan placed parameters or optimizer state otherwise
+        than this run's plan (another budget, another profile), this run's plan is kept."""
+        saved = Plan.from_json(state["plan"])
+        if _placements(saved) != _placements(self.active.plan):
+            return (f"lazyzero plan: the checkpoint's plan {state['plan_index']} placed parameters or optimizer "
+                    f"state otherwise than this run's plan; this run keeps its own (losses may differ from the "
+                    f"uninterrupted run's)")
+        self.activations_in_force = state["activations"]
+        engine.lazyzero_reconfigure("activations", self.activations_in_force)
+        self.active.plan = saved
+        self._plan_index, self._no_plan_found = state["plan_index"], state["no_plan_found"]
+        self._plan_checks, self._step_ends = [], []
+        return f"lazyzero plan: resumed with plan {self._plan_index}, the one in force when the checkpoint was saved"
+
     def step_metrics(self) -> dict:
         """The newest comparison, once, in the step log (then nothing until the next one)."""
         if not self.checks or self._reported is self.checks[-1]:
@@ -197,6 +235,16 @@ class PlanMonitor:
                 "replan_excess_over_budget": self.excess_over_budget,
                 # The per-rank compute-memory budget the run was planned under (after headroom_share).
                 "compute_budget_per_rank_bytes": round(capacity / (1 - reserve))}
+
+
+def _placements(plan: Plan) -> list[tuple]:
+    return [(layer.param_tier, layer.state_tier, layer.state_8bit) for layer in plan.layers]
+
+
+def _checkpoint_in_flight(engine) -> bool:
+    """Whether this rank's lazy checkpoints have work queued or running (copies, writes, the commit)."""
+    pending = getattr(getattr(engine, "checkpoint_engine", None), "pending", None)
+    return bool(pending()) if callable(pending) else False
 
 
 def _reset_peak() -> None:

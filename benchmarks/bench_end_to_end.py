@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
 import shutil
 import statistics
@@ -53,7 +52,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # `common` sits beside this script
-from common import write_results  # noqa: E402
+from common import emptied, write_results  # noqa: E402
 
 from lazyzero.distributed.launch import run_distributed  # noqa: E402
 
@@ -130,13 +129,6 @@ def run_recipe(name: str, work: Path, args: argparse.Namespace, steps: int, eval
     summary = json.loads((work / "out" / "finetune_summary.json").read_text())
     summary["wall_s"] = time.perf_counter() - started
     return summary
-
-
-def emptied(folder: Path) -> None:
-    """Remove what a run swapped into `folder` and flush the disk, so that the next run starts quiet."""
-    for entry in folder.iterdir():
-        shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
-    os.sync()
 
 
 def step_entries(summary: dict) -> list[dict]:

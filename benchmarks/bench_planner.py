@@ -56,7 +56,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import write_results
+from common import emptied, write_results
 
 from lazyzero.testing import run_distributed
 
@@ -182,18 +182,6 @@ def compare_in_rounds(work: Path, nvme: Path, steps: int, rounds: int) -> list[d
             emptied(nvme / name)
         done.append(records)
     return done
-
-
-def emptied(folder: Path) -> None:
-    """Remove what a run swapped into `folder` (DeepSpeed leaves its swap files) and flush what else the
-    run wrote (its logs, reports, profile; the swap files themselves are written with O_DIRECT), so
-    that the next run starts on a quiet disk."""
-    for entry in folder.iterdir():
-        if entry.is_dir():
-            shutil.rmtree(entry)
-        else:
-            entry.unlink()
-    os.sync()
 
 
 def compared_step_s(rounds: list[dict[str, list[dict]]]) -> tuple[dict[str, float], list[dict[str, float]]]:

@@ -11,6 +11,7 @@ import datetime
 import json
 import os
 import platform
+import shutil
 import statistics
 import time
 from collections.abc import Callable
@@ -96,3 +97,15 @@ def write_results(
         path.write_text(json.dumps(document, indent=2) + "\n")
         print(f"wrote {path}")
     return document
+
+
+def emptied(folder: Path) -> None:
+    """Remove what a run swapped into `folder` (DeepSpeed leaves its swap files) and flush what else the
+    run wrote (its logs, reports, profile; the swap files themselves are written with O_DIRECT), so
+    that the next run starts on a quiet disk."""
+    for entry in folder.iterdir():
+        if entry.is_dir():
+            shutil.rmtree(entry)
+        else:
+            entry.unlink()
+    os.sync()

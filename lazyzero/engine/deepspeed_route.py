@@ -25,16 +25,19 @@ def patch_deepspeed() -> None:
     """Route `deepspeed.initialize` to `initialize_from_any_caller`, and with it what each capability
     changes in the installed trainers (`Feature.patch_trainers`: the checkpoint-folder rules) and
     Accelerate's count of CPU ranks (engine/accelerate_ranks.py); on CPU ranks it shares the host's
-    cores among them (distributed/cpu_threads.py). Calling it again does nothing."""
+    cores among them (distributed/cpu_threads.py), and it clears the build locks killed jobs left
+    (ops/stale_locks.py), before DeepSpeed loads its first op. Calling it again does nothing."""
     import deepspeed
 
     from lazyzero.engine.features import call_on_classes
+    from lazyzero.ops.stale_locks import clear_stale_build_locks
     from lazyzero.patch_point import route_function
 
     route_function(deepspeed, "initialize", initialize_from_any_caller, owner=OWNER)
     call_on_classes(Feature.patch_trainers)
     route_accelerate_rank_count()
     share_cpu_cores()
+    clear_stale_build_locks()
 
 
 def unpatch_deepspeed() -> bool:

@@ -22,6 +22,7 @@ from lazyzero.distributed.shm_segments import release_own_segment_name
 from lazyzero.engine.accelerate_ranks import LaunchRefused, check_accelerate_counts_every_rank
 from lazyzero.engine.deepspeed_args import DEEPSPEED_DEFAULT_PORT, config_in_args
 from lazyzero.feature import Feature
+from lazyzero.ops.stale_locks import clear_stale_build_locks
 from lazyzero.safe_load import UnsafeCheckpointFile
 
 
@@ -52,6 +53,7 @@ def initialize(
     lazyzero_config = validate_ds_config(ds_config)
     if model is None:
         raise ValueError("lazyzero.initialize requires a model")
+    clear_stale_build_locks()
 
     import deepspeed
     from deepspeed import comm as dist

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from lazyzero.config.async_io import LIBAIO_INSTALL
 from lazyzero.ops.native_build import BackendStatus, first_error_line
+from lazyzero.ops.stale_locks import clear_stale_build_locks
 
 # The builders of lazyzero runs' DeepSpeed ops, by DeepSpeed's builder class names.
 RUN_OP_BUILDERS = ("CPUAdamBuilder", "FusedAdamBuilder", "ShareMemCommBuilder", "AsyncIOBuilder")
@@ -40,6 +41,7 @@ def build_one(builder_name: str, verbose: bool) -> BackendStatus:
     label = f"ds:{builder.name}"
     if not builder.is_compatible(verbose=False):
         return BackendStatus(label, "unavailable", None, _unavailable_reason(builder_name))
+    clear_stale_build_locks()
     try:
         builder.load(verbose=verbose)
     except ValueError as error:  # DeepSpeed's stand-in builder for an op its accelerator lacks

@@ -33,6 +33,8 @@ from typing import Literal
 import torch
 import torch.utils.cpp_extension as cpp_extension
 
+from lazyzero.ops.stale_locks import clear_stale_build_locks
+
 logger = logging.getLogger(__name__)
 
 BACKENDS = ("cpu", "cuda")
@@ -180,6 +182,7 @@ def _compile_and_load(backend: str, verbose: bool) -> None:
     """Build (ninja skips what is up to date) and load one backend's library into this process."""
     for module in SCHEMA_MODULES:
         importlib.import_module(module)
+    clear_stale_build_locks()
     source_root = csrc_dir()
     cpp_extension.load(
         name=library_name(backend),

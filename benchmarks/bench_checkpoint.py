@@ -1,23 +1,26 @@
-"""Training stall per checkpoint: DeepSpeed's default engine, its decoupled writer, and lazyzero,
-with 95% confidence intervals, on busy and on idle host cores (docs/checkpoint.md).
+"""Training stall per checkpoint: DeepSpeed's default engine, its decoupled writer, PyTorch's
+torch.distributed.checkpoint.async_save and lazyzero, with 95% confidence intervals, on busy and on
+idle host cores (docs/checkpoint.md).
 
     python benchmarks/bench_checkpoint.py --quick --out /tmp/bench_checkpoint.json
     python benchmarks/bench_checkpoint.py --out /tmp/bench_checkpoint_full.json
 
-A llama-shaped model (`--quick`: about 100M parameters, `MODEL_100M`; full: about 200M, `MODEL_200M`;
---model picks a preset such as `demo` while developing), fp32, ZeRO-3, AdamW (ds_configs/cpu_demo.json),
-2 CPU ranks of 1 thread each, synthetic token batches from a fixed seed. One launch of
-checkpoint_worker.py per engine, in turn: `deepspeed` (torch.save inside save_checkpoint),
-`decoupled` (writer "python", decoupled: a writer process, waited for in the next step) and
-`lazyzero` (lazy mode, keep_last 2). Each launch measures both scenarios (see the worker):
-`busy_cores` (every step computes on the host) and `idle_cores` (the accelerator's forward and
-backward are a sleep of their measured time, as the host of a GPU run sees them).
+A llama-shaped model (`--quick`: about 100M parameters, `MODEL_100M`; full: about 200M, `MODEL_200M`; --model
+picks a preset such as `demo` while developing), fp32, ZeRO-3, AdamW (ds_configs/cpu_demo.json), 2 CPU ranks
+of 1 thread each, synthetic token batches from a fixed seed. One launch of checkpoint_worker.py per engine, in
+turn: `deepspeed` (torch.save inside save_checkpoint), `decoupled` (writer "python", decoupled: a writer
+process, waited for in the next step), `lazyzero` (lazy mode, keep_last 2) and `dcp_async` (DeepSpeed's
+engine, its optimizer state saved by torch.distributed.checkpoint.async_save, waited for at the block's end as
+lazyzero's commit is). Each launch measures both scenarios (see the worker): `busy_cores` (every step computes
+on the host) and `idle_cores` (the accelerator's forward and backward are a sleep of their measured time, as
+the host of a GPU run sees them).
 
 What is reported (rank 0's clocks; steps are collective, so both ranks' clocks agree):
 - stall per checkpoint: over pairs of adjacent blocks of BLOCK steps in ABBA order, the mean of
   (block with a checkpoint, save and any final wait included) - (block without), with its Student t
   interval (benchmarks/interval_stats.py).
-- stall_ratio_vs_deepspeed[_idle_cores]: DeepSpeed's stall over lazyzero's, with the interval the
+- stall_ratio_vs_deepspeed[_idle_cores]: DeepSpeed's stall over lazyzero's (and, in `intervals`,
+  the same against `decoupled` and `dcp_async`), with the interval the
   two intervals imply. When lazyzero's interval includes zero the ratio is not resolved: the
   figure is then a lower bound (DeepSpeed's low end over lazyzero's high end), marked as such.
 - e2e_overhead[_idle_cores]: lazyzero's mean over pairs of (block with) / (block without):
@@ -56,7 +59,8 @@ from lazyzero.models.presets import SUBWORD_VOCAB_SIZE, ModelPreset  # noqa: E40
 from lazyzero.testing import distributed_env, free_port, launch_command  # noqa: E402
 
 WORKER = Path(__file__).resolve().parent / "checkpoint_worker.py"
-ENGINES = ("deepspeed", "decoupled", "lazyzero")
+ENGINES = ("deepspeed", "decoupled", "lazyzero", "dcp_async")
+BASELINES = ("deepspeed", "decoupled", "dcp_async")
 SCENARIOS = ("busy_cores", "idle_cores")
 WORLD_SIZE = 2
 THREADS_PER_RANK = 1  # 2 ranks share the 2 cores of the reference machine
@@ -186,7 +190,7 @@ def summarize(runs: dict[str, dict]) -> tuple[dict[str, float], dict]:
     for scenario in SCENARIOS:
         suffix = "" if scenario == "busy_cores" else "_idle_cores"
         ours = Interval(**figures["lazyzero"][scenario]["stall"])
-        for baseline in ("deepspeed", "decoupled"):
+        for baseline in BASELINES:
             intervals[f"stall_ratio_vs_{baseline}{suffix}"] = ratio_interval(
                 Interval(**figures[baseline][scenario]["stall"]), ours)
         intervals[f"e2e_overhead{suffix}"] = Interval(**figures["lazyzero"][scenario]["e2e_overhead"])
@@ -202,7 +206,9 @@ def summarize(runs: dict[str, dict]) -> tuple[dict[str, float], dict]:
                     "accelerator_s_per_step": {engine: run["ranks"][0]["warmup"]["accelerator_s"]
                                                for engine, run in runs.items()},
                     "lowest_mem_available_gb": {engine: min(r["lowest_mem_available_gb"] for r in run["ranks"])
-                                                for engine, run in runs.items()}},
+                                                for engine, run in runs.items()},
+                    "baseline_checkpoint_bytes_on_disk": {engine: run["ranks"][0]["last_checkpoint_bytes_on_disk"]
+                                                          for engine, run in runs.items() if engine in BASELINES}},
         "engines": figures, "write_bandwidth": bandwidth, "lazyzero_checks": lazyzero_checks(rank0),
     }
     return results, details

@@ -2,7 +2,7 @@
 flight and without, in ABBA order, in two scenarios; raw timings to a JSON file.
 
 Usage (under the deepspeed launcher, 2 ranks):
-    checkpoint_worker.py --engine deepspeed|decoupled|lazyzero --model SPEC --save-dir DIR --out F.json
+    checkpoint_worker.py --engine deepspeed|decoupled|lazyzero|dcp_async --model SPEC --save-dir DIR --out F.json
         [--pairs N] [--interval N] [--batch B] [--seq S] [--idle-seq S] [--plain-write-repeats R]
 
 Scenarios (benchmarks/README.md, "bench_checkpoint"):
@@ -57,6 +57,9 @@ ENGINE_SECTIONS = {
     "decoupled": {"checkpoint": {"writer": {"type": "python", "decoupled": True}}},
     # lazyzero rejects DeepSpeed's "checkpoint.writer" in lazy mode: no writer section here.
     "lazyzero": {"lazyzero": {"checkpoint": {"enabled": True, "keep_last": 2}}},
+    # Plain DeepSpeed's engine, its state saved by PyTorch's torch.distributed.checkpoint.async_save
+    # (DcpAsyncSaver below) instead of save_checkpoint.
+    "dcp_async": {},
 }
 SCENARIOS = ("busy_cores", "idle_cores")
 PLAIN_WRITE_CHUNK = 64 * 2**20
@@ -106,11 +109,58 @@ def token_batches(vocab_size: int, batch: int, seq: int, count: int = 4) -> list
     return [torch.randint(0, vocab_size, (batch, seq), generator=generator) for _ in range(count)]
 
 
+class EngineSaver:
+    """DeepSpeed's save_checkpoint (DeepSpeed's engines and lazyzero's); the block's end waits for
+    lazyzero's commit (DeepSpeed's decoupled writer is waited for inside the next step)."""
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    def save(self, save_dir: Path, tag: str) -> None:
+        self.engine.save_checkpoint(str(save_dir), tag=tag)
+
+    def wait(self) -> None:
+        if hasattr(self.engine, "wait_for_checkpoints"):
+            self.engine.wait_for_checkpoints()
+
+
+class DcpAsyncSaver:
+    """The same engine's state saved with `torch.distributed.checkpoint.async_save`, as a DeepSpeed
+    user who picks PyTorch's asynchronous checkpoint would: what lazyzero and DeepSpeed's ZeRO-3
+    checkpoints hold per rank (the fp32 master partition and AdamW's moments: the optimizer's
+    state_dict), under per-rank keys, since DCP writes a plain tensor found under the same key on
+    every rank once, as replicated. async_save copies the state to CPU memory in the call (its default
+    stager), then plans and writes in a thread, on a gloo group of its own as DCP's documentation
+    asks (training's collectives run on the default group meanwhile). The block's end waits for
+    the write, as it waits for lazyzero's commit."""
+
+    def __init__(self, engine):
+        import torch.distributed.checkpoint as dcp
+
+        self.engine, self.dcp, self.pending = engine, dcp, None
+        self.group = dist.new_group(backend="gloo")
+
+    def state(self) -> dict:
+        return {f"rank{dist.get_rank()}": self.engine.optimizer.state_dict()}
+
+    def save(self, save_dir: Path, tag: str) -> None:
+        self.pending = self.dcp.async_save(self.state(), checkpoint_id=str(save_dir / tag), process_group=self.group)
+
+    def wait(self) -> None:
+        if self.pending is not None:
+            self.pending.result()
+            self.pending = None
+
+
+def make_saver(engine_name: str, engine):
+    return DcpAsyncSaver(engine) if engine_name == "dcp_async" else EngineSaver(engine)
+
+
 class Trainer:
     """Timed steps and saves on one engine."""
 
-    def __init__(self, engine, batches: list[torch.Tensor], short_batches: list[torch.Tensor]):
-        self.engine, self.batches, self.short_batches = engine, batches, short_batches
+    def __init__(self, engine, batches: list[torch.Tensor], short_batches: list[torch.Tensor], saver):
+        self.engine, self.batches, self.short_batches, self.saver = engine, batches, short_batches, saver
         self.steps_done, self.accelerator_s = 0, 0.0
 
     def step(self, scenario: str) -> float:
@@ -148,17 +198,17 @@ class Trainer:
                 "accelerator_s": self.accelerator_s}
 
     def block(self, scenario: str, steps: int, save_dir: Path | None = None, tag: str | None = None) -> dict:
-        """One block of `steps` steps; with `save_dir`, a checkpoint first (and, for lazyzero, its
-        commit awaited at the end, inside the block's time)."""
+        """One block of `steps` steps; with `save_dir`, a checkpoint first (and, for lazyzero and DCP,
+        its commit awaited at the end, inside the block's time)."""
         cpu_start, start = time.process_time(), time.perf_counter()
         save_s = save_cpu_s = wait_s = 0.0
         if save_dir is not None:
-            self.engine.save_checkpoint(str(save_dir), tag=tag)
+            self.saver.save(save_dir, tag)
             save_s, save_cpu_s = time.perf_counter() - start, time.process_time() - cpu_start
         step_s = [self.step(scenario) for _ in range(steps)]
-        if save_dir is not None and hasattr(self.engine, "wait_for_checkpoints"):
+        if save_dir is not None:
             waited = time.perf_counter()
-            self.engine.wait_for_checkpoints()
+            self.saver.wait()
             wait_s = time.perf_counter() - waited
         return {"block_s": time.perf_counter() - start, "save_s": save_s, "save_main_cpu_s": save_cpu_s,
                 "steps_s": step_s, "final_wait_s": wait_s}
@@ -269,6 +319,11 @@ def plain_sequential_write(folder: Path, nbytes: int, repeats: int) -> list[floa
     return seconds
 
 
+def folder_bytes(folder: Path) -> int:
+    """Bytes of every file in a checkpoint folder, all ranks' (what the engine wrote, to compare)."""
+    return sum(path.stat().st_size for path in folder.rglob("*") if path.is_file())
+
+
 def progress(message: str) -> None:
     if dist.get_rank() == 0:
         print(f"[checkpoint_worker] {message}", flush=True)
@@ -279,7 +334,7 @@ def main() -> None:
     engine, parameters = make_engine(args)
     vocab = engine.module.config.vocab_size
     trainer = Trainer(engine, token_batches(vocab, args.batch, args.seq),
-                      token_batches(vocab, args.batch, args.idle_seq))
+                      token_batches(vocab, args.batch, args.idle_seq), make_saver(args.engine, engine))
     progress(f"{args.engine}: {parameters / 1e6:.1f}M parameters, warming up")
     warmup = {"first_step_s": trainer.step("busy_cores"), **trainer.measure_accelerator_time(args.accelerator_s)}
     runner = BlockRunner(args, trainer)
@@ -295,6 +350,8 @@ def main() -> None:
         checkpoint_bytes = record["paused_write"]["bytes"]
         record["plain_write"] = {"bytes": checkpoint_bytes, "seconds": plain_sequential_write(
             args.save_dir, checkpoint_bytes, args.plain_write_repeats)}
+    else:
+        record["last_checkpoint_bytes_on_disk"] = folder_bytes(args.save_dir / f"ckpt{runner.saved - 1}")
     records = [None] * dist.get_world_size()
     dist.all_gather_object(records, record)
     destroy_engine(engine)

@@ -103,6 +103,9 @@ def sigterm_when(workdir: Path, config: Path, max_steps: int, ready) -> subproce
     deadline = time.monotonic() + 300
     while process.poll() is None and time.monotonic() < deadline and not ready():
         time.sleep(0.05)
+    if process.poll() is not None:
+        output, _ = process.communicate()
+        pytest.fail(f"the job ended (exit {process.returncode}) before its signal was due:\n{output[-4000:]}")
     os.killpg(process.pid, signal.SIGTERM)
     output, _ = process.communicate(timeout=120)
     return subprocess.CompletedProcess(argv, process.returncode, output)

@@ -33,7 +33,7 @@ from typing import Literal
 import torch
 import torch.utils.cpp_extension as cpp_extension
 
-from lazyzero.ops.stale_locks import clear_stale_build_locks
+from lazyzero.ops.stale_locks import clear_stale_build_locks, extension_root
 
 logger = logging.getLogger(__name__)
 
@@ -118,11 +118,11 @@ def _cpu_tag() -> str:
 
 def build_directory(backend: str) -> Path:
     """Cache folder of one backend's library; honours TORCH_EXTENSIONS_DIR like torch itself."""
-    root = os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()
+    root = extension_root()
     python_tag = f"py{sys.version_info.major}{sys.version_info.minor}"
     torch_tag = "torch" + torch.__version__.replace("+", "_")
     name = library_name(backend) + (f"_{_cpu_tag()}" if backend == "cpu" else "")
-    return Path(root) / f"lazyzero_{python_tag}_{torch_tag}" / name
+    return root / f"lazyzero_{python_tag}_{torch_tag}" / name
 
 
 def library_path(backend: str) -> Path:

@@ -141,7 +141,9 @@ def test_misspelled_section_is_rejected_with_a_suggestion(section):
 
 # A rejection is "<key path>: got <value>; allowed..." or "<key path>: unknown key; allowed keys: ...";
 # the key path is lazyzero's, or DeepSpeed's where a lazyzero setting conflicts with it (ZeRO's stage).
-PROBLEM_LINE = re.compile(r"^(lazyzero|zero_optimization)(\.\w+)*(\[[^\]]+\])*: "
+# An index is a number or a key as Python's repr() writes it, which may hold "]" (['], found by hypothesis).
+PROBLEM_LINE = re.compile(r"^(lazyzero|zero_optimization)(\.\w+)*"
+                          r"(\[(\d+|'([^'\\]|\\.)*'|\"([^\"\\]|\\.)*\"|[^\]'\"]+)\])*: "
                           r"(got .+; (allowed|not available).+|unknown key; allowed keys: .+)$")
 JSON_VALUES = st.recursive(
     st.none() | st.booleans() | st.integers(-10**12, 10**12) | st.floats(allow_nan=False) | st.text(max_size=12),

@@ -157,6 +157,12 @@ def budget_per_rank(work: Path) -> int:
     return int(float(found.group(1)) * 1e9)
 
 
+def int8_decision(work: Path) -> str | None:
+    """The planned run's line on int8 gradients (`plan.price_int8_gradients`), as its rank 0 printed it."""
+    found = re.search(r"lazyzero plan: int8 gradients .*", (work / "output.txt").read_text())
+    return found.group(0) if found else None
+
+
 def compare_in_rounds(args: argparse.Namespace, steps: int, rounds: int) -> dict[str, list[dict]]:
     """Every round's summary per run: planned and zero_infinity in alternating order, plain once
     (in the first round, between them), each with the held-out evaluation (before training too, in plain)."""
@@ -270,6 +276,7 @@ def main() -> None:
         matched, kill_details, match_details = False, {"failed": str(failed)[-2000:]}, {}
     results["resume_bit_exact"] = float(matched)
     details = {"budget_bytes_per_rank": budget, "parameters": params, "steps": steps,
+               "int8_gradients": int8_decision(args.work / "round1" / "planned"),
                "eval_problems": EVAL_PROBLEMS, "wall_s": time.perf_counter() - started,
                "resume": {**kill_details, **match_details},
                "runs": {**done, "planned_at_zero_infinity_peak": [same_memory]}}

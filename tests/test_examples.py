@@ -178,6 +178,9 @@ def test_finetune_smollm2_recipe_plans_commits_and_resumes(tmp_path):
     first = run_finetune_smollm2(tmp_path, 4)
     assert first.returncode == 0, first.stdout[-5000:]
     assert "lazyzero plan: headroom_share 0 ->" in first.stdout and "features on: plan" in first.stdout
+    # plan.price_int8_gradients: the config's int8 exchange is priced against DeepSpeed's, one way or the other.
+    assert re.search(r"lazyzero plan: int8 gradients (kept|off): the int8 exchange with error feedback took",
+                     first.stdout)
     assert (tmp_path / "runs" / "smollm2" / "plan" / "plan.json").is_file()
     assert_ended_cleanly(first, tmp_path / "out", 4)
     summary = json.loads((tmp_path / "out" / "finetune_summary.json").read_text())

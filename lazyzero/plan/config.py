@@ -71,6 +71,12 @@ class PlanConfig(ConfigSection):
     allow_8bit_optimizer: bool = True
     """Let the planner give layers 8-bit Adam states (lazyzero's AdamW8bit/Adam8bit) instead of fp32."""
 
+    price_int8_gradients: bool = False
+    """Keep `lazyzero.gradients` (the int8 exchange) only where this machine's profile measured it, with error
+    feedback where that is on, faster per byte than DeepSpeed's own reduce-scatter in the training dtype; elsewhere
+    the plan switches the section off, where it would cost time and memory and save none (docs/plan.md). Needs
+    `lazyzero.gradients.enabled`. false: the gradients section is used as written."""
+
     time_limit_s: float = Field(10.0, gt=0)
     """Wall-clock limit of the MILP solver in seconds; the best plan found by then is used."""
 
@@ -131,6 +137,10 @@ def plan_problems(config: ConfigSection, ds_config: dict) -> list[Problem]:
             "lazyzero.plan.checkpoint_every", config.plan.checkpoint_every,
             "null unless lazyzero.checkpoint.enabled is true",
             "only lazy checkpoints copy their snapshot while training runs; DeepSpeed's own save stops training"))
+    if config.plan.price_int8_gradients and not config.gradients.enabled:
+        problems.append(Problem.conflict(
+            "lazyzero.plan.price_int8_gradients", True, "false unless lazyzero.gradients.enabled is true",
+            "the plan can only keep or switch off an int8 exchange the config turns on"))
     # Each section names the fields the plan sets (`ConfigSection.planned_fields`).
     for section in type(config).model_fields:
         settings = getattr(config, section)

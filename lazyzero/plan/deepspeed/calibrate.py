@@ -178,7 +178,10 @@ def predicted_compute_peak(problem: PlanProblem, plan: Plan, snapshot_taken: boo
 
 def calibrated_problem(problem: PlanProblem, plan: Plan, measured_step_s: float,
                        measured_peak_bytes: float, snapshot_taken: bool = True) -> PlanProblem:
-    """`snapshot_taken`: whether a lazy checkpoint's snapshot memory was held while the peak was
+    """The problem a re-plan solves: `problem` at the measured speed and memory, with `plan`'s
+    placements fixed (a built engine cannot move them) and its activation widths kept (a re-plan
+    moves activations between memory, NVMe and recompute without changing what is computed).
+    `snapshot_taken`: whether a lazy checkpoint's snapshot memory was held while the peak was
     measured (it is predicted from the plan either way, so only the rest moves the workspace)."""
     if measured_step_s <= 0 or plan.predicted_step_s <= 0:
         raise ValueError(f"step times must be > 0, got measured {measured_step_s!r}, "
@@ -192,7 +195,14 @@ def calibrated_problem(problem: PlanProblem, plan: Plan, measured_step_s: float,
     predicted_peak = predicted_compute_peak(problem, plan, snapshot_taken)
     workspace = max(0, round(problem.workspace_bytes + measured_peak_bytes - predicted_peak))
     return replace(problem, layers=layers, machine=machine, workspace_bytes=workspace,
-                   fixed_placements=tuple(lp.placement for lp in plan.layers))
+                   fixed_placements=tuple(lp.placement for lp in plan.layers),
+                   fixed_act_bits=tuple(lp.act_bits for lp in plan.layers))
+
+
+def with_free_widths(problem: PlanProblem) -> PlanProblem:
+    """`problem` with its activation widths free again (a re-plan that cannot keep them within the
+    budget may change them, and with them the run's losses)."""
+    return replace(problem, fixed_act_bits=None)
 
 
 # How far above its budget a re-plan may let the compute memory go, in steps of the budget, when

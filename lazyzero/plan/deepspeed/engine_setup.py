@@ -26,6 +26,7 @@ from lazyzero.plan.deepspeed.calibrate import smallest_compute_budget, solve_wit
 from lazyzero.plan.deepspeed.costs import EMBED_AND_HEAD, decoder_layer_index
 from lazyzero.plan.deepspeed.host_memory import bound_host_heap, resident_bytes
 from lazyzero.plan.deepspeed.implied import ImpliedSetup, calibration_ds_config, implied_setup
+from lazyzero.plan.deepspeed.priced_gradients import int8_gradients_priced
 from lazyzero.plan.deepspeed.problem_from_profile import problem_for_config, training_dtype
 from lazyzero.plan.deepspeed.zero_placement import ZeroPlacement, placement_problems, zero_placement
 from lazyzero.plan.profile.layers import model_sizes_of
@@ -55,7 +56,7 @@ def plan_run(model: torch.nn.Module, ds_config: dict, config: LazyZeroConfig, di
     """Profile, plan and return the setup every rank builds its engine from (all ranks call this)."""
     if not torch.cuda.is_available():
         bound_host_heap()
-    problem, sizes = problem_for_run(model, ds_config, config.plan, dist, config.activations)
+    problem, sizes, ds_config = problem_for_run(model, ds_config, config.plan, dist, config.activations)
     if config.plan.plan_path is not None:
         plan = given_plan(problem, config.plan.plan_path)
     else:
@@ -71,10 +72,11 @@ def plan_run(model: torch.nn.Module, ds_config: dict, config: LazyZeroConfig, di
 
 
 def problem_for_run(model: torch.nn.Module, ds_config: dict, settings, dist, activations=None):
-    """This rank's planning problem: the profile (measured now, or the cached one) under the budgets.
-    `activations`: the run's ActivationsConfig, whose width rules (block size, kept outliers, norm and
-    attention widths) the profile measures bytes, times and gradient errors under, as the plan will
-    run them (None: the defaults)."""
+    """This rank's planning problem: the profile (measured now, or the cached one) under the budgets;
+    with its model sizes and the DeepSpeed config with the plan's decision on int8 gradients
+    (priced_gradients.py). `activations`: the run's ActivationsConfig, whose width rules (block size,
+    kept outliers, norm and attention widths) the profile measures bytes, times and gradient errors
+    under, as the plan will run them (None: the defaults)."""
     if settings.gpu_mem is not None and not torch.cuda.is_available():
         raise ValueError(f"lazyzero.plan.gpu_mem: got {settings.gpu_mem}; allowed: null on a machine without CUDA "
                          "(training computes in host memory: budget it with lazyzero.plan.cpu_mem)")
@@ -83,6 +85,11 @@ def problem_for_run(model: torch.nn.Module, ds_config: dict, settings, dist, act
                          "headroom_share is set on a machine without CUDA (headroom_share sets the memory "
                          "training computes in)")
     cast_to_training_dtype(model, training_dtype(ds_config))
+    # What this rank holds besides the model, before profiling: that stays. Measured before, so that a
+    # launch that profiles and one that reuses the profile plan alike (the profile's leftovers, about
+    # 150 MB for SmolLM2, fall within memory_reserve). Of a model partitioned by zero.Init, a rank
+    # holds its partitions; the plan counts those.
+    process_bytes = rounded_process_bytes(resident_bytes() - sum(held_bytes(p) for p in model.parameters()))
     size = PROFILE_COPY_BYTES
     offload_to_nvme = settings.nvme_path is not None and not torch.cuda.is_available()
     engine_config = calibration_ds_config(ds_config, model_sizes_of(model, dist.get_world_size()),
@@ -94,15 +101,25 @@ def problem_for_run(model: torch.nn.Module, ds_config: dict, settings, dist, act
                               settings=ProfileSettings(host_copy_bytes=size, nvme_bytes=size, device_copy_bytes=size),
                               log=lambda line: print(line, flush=True), engine_config=engine_config)
 
-    # What this rank holds besides the model, now, just before the engine is built: that stays.
-    # (Of a model partitioned by zero.Init, a rank holds its partitions; the plan counts those.)
-    model_bytes = sum(held_bytes(p) for p in model.parameters())
+    ds_config, decision = int8_gradients_priced(profile, ds_config, settings)
+    if decision is not None and dist.get_rank() == 0:
+        print(decision, flush=True)
     problem, sizes = problem_for_config(profile, ds_config, settings, dist.get_world_size(), _local_ranks(dist),
-                                        process_bytes=max(0, resident_bytes() - model_bytes),
-                                        decide=lambda work: on_rank_zero(work, dist))
+                                        process_bytes=process_bytes, decide=lambda work: on_rank_zero(work, dist))
     if problem.headroom is not None and dist.get_rank() == 0:
         print(headroom_line(problem, settings), flush=True)
-    return problem, sizes
+    return problem, sizes, ds_config
+
+
+# The process's own memory enters the plan rounded up to this: two launches of one job measure it a
+# few MB apart, and a plan that moved with those MB would train another launch (a resume of the same
+# job) otherwise than the first; rounded, they plan alike (docs/plan.md, "Resuming a planned run").
+PROCESS_BYTES_STEP = 64 * 2**20
+
+
+def rounded_process_bytes(measured: int) -> int:
+    """`measured` (what the rank holds besides the model) rounded up to PROCESS_BYTES_STEP."""
+    return -(-max(0, measured) // PROCESS_BYTES_STEP) * PROCESS_BYTES_STEP
 
 
 def headroom_line(problem: PlanProblem, settings) -> str:

@@ -15,7 +15,10 @@ less that memory (`calibrate.predicted_compute_peak`).
 
 A new plan can change only what the running engine can change: the activation choices (width,
 recompute, offload per layer). Placements of parameters and optimizer state are fixed once DeepSpeed
-has partitioned them, so the new problem fixes them (`calibrate.calibrated_problem`).
+has partitioned them, so the new problem fixes them (`calibrate.calibrated_problem`). It keeps the
+widths too where it can (a packed layer its width, an exact one 16 bits or recompute): the new plan
+then moves activations without changing what training computes, so that a run's losses do not
+depend on when its measurements crossed the margin, and a resumed run repeats them.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from dataclasses import asdict, dataclass, replace
 
 import torch
 
-from lazyzero.plan.deepspeed.calibrate import calibrated_problem, predicted_compute_peak
+from lazyzero.plan.deepspeed.calibrate import calibrated_problem, predicted_compute_peak, with_free_widths
 from lazyzero.plan.deepspeed.host_memory import peak_resident_bytes, reset_peak_resident
 from lazyzero.plan.deepspeed.implied import implied_setup
 from lazyzero.plan.report import plan_table
@@ -156,12 +159,10 @@ class PlanMonitor:
     def _replan(self, engine, check: PlanCheck, step_s: float) -> None:
         """Plans the activations again with the plan's typical step time `step_s` and `check`'s peak (the
         newest: a lazy checkpoint's snapshot memory, once held, is held in every later check)."""
-        from lazyzero.plan.deepspeed.engine_setup import solve_on_rank_zero
-
         problem = calibrated_problem(self.active.problem, self.active.plan, step_s,
                                      check.measured_peak_bytes, check.snapshot_taken)
         try:
-            plan, excess = solve_on_rank_zero(problem, self.settings, torch.distributed, least_excess=True)
+            problem, plan, excess = self._solve_keeping_widths(engine, problem)
         except PlanInfeasible as error:
             # Training goes on with the plan it has: stopping a run that works for a plan that
             # cannot exist would lose the run. Every rank gets the same error, so all go on alike.
@@ -182,6 +183,31 @@ class PlanMonitor:
             if excess:
                 print(self._excess_note(problem, plan), flush=True)
         self.excess_over_budget.append(excess)
+
+    def _solve_keeping_widths(self, engine, problem):
+        """(problem, plan, excess over the budget): the plan that keeps the running widths, unless only
+        other widths keep the memory within the budget, or nearer to it (the losses then change)."""
+        from lazyzero.plan.deepspeed.engine_setup import solve_on_rank_zero
+
+        try:
+            kept = (problem, *solve_on_rank_zero(problem, self.settings, torch.distributed, least_excess=True))
+        except PlanInfeasible:
+            kept = None
+        if kept is not None and kept[2] == 0.0:
+            return kept
+        free = with_free_widths(problem)
+        try:
+            changed = (free, *solve_on_rank_zero(free, self.settings, torch.distributed, least_excess=True))
+        except PlanInfeasible:
+            if kept is None:
+                raise
+            return kept
+        if kept is not None and kept[2] <= changed[2]:
+            return kept
+        if engine.global_rank == 0:
+            print(f"lazyzero plan {self._plan_index + 1}: only other activation widths keep the memory within the "
+                  "budget (or nearer to it); this plan changes them, and with them the run's losses", flush=True)
+        return changed
 
     def _excess_note(self, problem, plan) -> str:
         """What planning beyond the planning budget means: into `memory_reserve` (a note), or

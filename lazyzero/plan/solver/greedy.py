@@ -120,7 +120,7 @@ def _moves(problem: PlanProblem, i: int, lp: LayerPlan) -> list[LayerPlan]:
         narrower = [b for b in problem.layer_widths(i) if b < lp.act_bits]
         if narrower:
             moves.append(replace(lp, act_bits=max(narrower)))
-        if problem.allow_recompute:
+        if problem.may_recompute(i):
             moves.append(LayerPlan.of(RECOMPUTE, lp.placement))
         if problem.activation_read_windows(i):
             moves += [replace(lp, act_tier=t) for t in _lower_tiers(problem, lp.act_tier)]

@@ -306,6 +306,11 @@ class PlanProblem:
     # Per layer, the Placement (param tier, state tier, 8-bit) a running engine cannot change any
     # more, or None where the planner is free; re-planning fixes all of them (plan/deepspeed/calibrate.py).
     fixed_placements: tuple | None = None
+    # Per layer, the activation width a re-plan keeps, or None where the planner is free: a layer
+    # packed at 8 or 4 bits keeps that width, one at 16 bits or recomputed stays exact (16 bits or
+    # recompute), so that a re-plan moves tensors without changing what training computes and a
+    # resumed run repeats the uninterrupted one's losses (plan/deepspeed/calibrate.py).
+    fixed_act_bits: tuple | None = None
     # Bytes held whenever any layer's parameters are on NVMe (DeepSpeed's parameter swapper: its
     # buffer pool and partitioned swap buffer, plan/deepspeed/swap_buffers.py), in host memory: the "cpu" tier where
     # there is one, else the compute memory.
@@ -335,14 +340,27 @@ class PlanProblem:
             object.__setattr__(self, "fixed_placements", tuple(self.fixed_placements))
             _require(len(self.fixed_placements) == len(self.layers), "fixed_placements",
                      f"needs one entry (a placement or None) per layer, got {len(self.fixed_placements)}")
+        if self.fixed_act_bits is not None:
+            object.__setattr__(self, "fixed_act_bits", tuple(self.fixed_act_bits))
+            _require(len(self.fixed_act_bits) == len(self.layers), "fixed_act_bits",
+                     f"needs one entry (a width or None) per layer, got {len(self.fixed_act_bits)}")
         for i, costs in enumerate(self.layers):
-            _require(bool(self.layer_widths(i)) or self.allow_recompute, "allowed_bits",
+            _require(bool(self.layer_widths(i)) or self.may_recompute(i), "allowed_bits",
                      f"layer {costs.name} may store its activations at {costs.act_widths} (its gradient error "
                      f"bound), none of which is in {self.allowed_bits}, and recompute is not allowed")
 
     def layer_widths(self, layer: int) -> tuple[int, ...]:
-        """The widths layer `layer` may store its activations at: allowed for the run and for the layer."""
+        """The widths layer `layer` may store its activations at: allowed for the run and for the layer,
+        only the fixed one where `fixed_act_bits` names it."""
+        fixed = None if self.fixed_act_bits is None else self.fixed_act_bits[layer]
+        if fixed is not None:
+            return (fixed,)
         return tuple(bits for bits in self.allowed_bits if bits in self.layers[layer].act_widths)
+
+    def may_recompute(self, layer: int) -> bool:
+        """Whether layer `layer` may be recomputed: allowed, and exact where its width is fixed."""
+        fixed = None if self.fixed_act_bits is None else self.fixed_act_bits[layer]
+        return self.allow_recompute and fixed in (None, 16)
 
     @property
     def num_layers(self) -> int:
@@ -473,7 +491,7 @@ def activation_options(problem: PlanProblem, layer: int) -> list[ActChoice]:
     """Every allowed way to carry layer `layer`'s activations to its backward."""
     tiers = [t for t in problem.machine.tiers if t == "gpu" or problem.activation_read_windows(layer)]
     options = [ActChoice("keep", bits, tier) for tier in tiers for bits in problem.layer_widths(layer)]
-    return options + ([RECOMPUTE] if problem.allow_recompute else [])
+    return options + ([RECOMPUTE] if problem.may_recompute(layer) else [])
 
 
 def widest_activation(problem: PlanProblem, layer: int, tier: str = "gpu") -> ActChoice:

@@ -1,7 +1,7 @@
 """Fine-tune SmolLM2-135M-Instruct with the Hugging Face Trainer under the least memory lazyzero's planner
 finds a plan for (docs/finetune.md, "From the Hugging Face Trainer, under a memory budget"): ZeRO-3,
-the planner choosing activation widths, recomputation, tiers and 8-bit states per layer, int8
-gradients with error feedback and lazy checkpoints, all from the DeepSpeed config.
+the planner choosing activation widths, recomputation, tiers and 8-bit states per layer and whether
+int8 gradients with error feedback pay on this machine, and lazy checkpoints, all from the DeepSpeed config.
 
     deepspeed --num_gpus 2 examples/finetune_smollm2.py --output-dir runs/smollm2 --max-steps 30
 

@@ -5,7 +5,9 @@ loaded) takes a lock file, `<build folder>/lock`, around every build, even one t
 do, and every later load waits while that file exists, with no timeout. A process killed inside that
 window (a rank the launcher kills, a job past its time limit, Ctrl-C twice) leaves the file behind, and
 every later job on the machine hangs at its first op, silently (docs/reliability.md, "stale build
-lock").
+lock"). From torch 2.14 on the lock is advisory (the kernel releases it when its holder dies, and
+its file stays after every load), so nothing is left to clear there; removing a file no process
+holds is harmless either way.
 
 The process that takes the lock holds the file open until it removes it, so a lock that no process
 holds open is stale. This module looks in /proc, so it sees only this machine's processes and, unless

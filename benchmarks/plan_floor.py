@@ -1,10 +1,11 @@
 """What the least per-rank budget with a plan consists of (docs/finetune.md, "The floor").
 
 Rebuilds a planned run's problem from its cached profile and DeepSpeed config, as the run does (the
-int8 decision, the process's own memory from the profile's snapshot at its start, which is where a
-run measures it), finds the least compute-memory capacity with a plan and splits that plan's
-predicted peak into its parts: the process, DeepSpeed's workspace and swappers (calibrated), what the
-lazyzero features hold whatever the plan, the lazy checkpoint's snapshot, and the layers' tensors.
+int8 decision; the process's own memory from `--process-gb`, else the profile's snapshot at its
+start, which can differ from what the run measured: 0.67 against 0.40 GB for SmolLM2), finds the
+least compute-memory capacity with a plan and splits that plan's predicted peak into its parts: the
+process, DeepSpeed's workspace and swappers (calibrated), what the lazyzero features hold whatever
+the plan, the lazy checkpoint's snapshot, and the layers' tensors.
 
     python benchmarks/plan_floor.py --profile ~/.cache/lazyzero/profiles/<file>.json \
         --config runs/bench_end_to_end/round1/planned/ds_config.json --ranks 2
@@ -20,7 +21,7 @@ from lazyzero.config import validate_ds_config
 from lazyzero.plan.deepspeed.calibrate import headroom_budget, with_compute_capacity
 from lazyzero.plan.deepspeed.engine_setup import rounded_process_bytes
 from lazyzero.plan.deepspeed.priced_gradients import int8_gradients_priced
-from lazyzero.plan.deepspeed.problem_from_profile import feature_workspace_bytes, problem_for_config, training_dtype
+from lazyzero.plan.deepspeed.problem_from_profile import feature_workspace_bytes, problem_for_config, rank_shape
 from lazyzero.plan.profile.profiler import read_profile
 from lazyzero.plan.solver.milp import solve
 
@@ -33,8 +34,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--config", type=Path, required=True, help="the run's DeepSpeed config (with its plan section)")
     parser.add_argument("--ranks", type=int, default=2, help="ranks of the run, all on this node")
     parser.add_argument("--process-gb", type=float,
-                        help="the process's own memory as the run printed it (its headroom line); "
-                             "default: the profile's snapshot at its start")
+                        help="the process's own memory in the run (the run does not print it: take the value "
+                             "that reproduces its least budget); default: the profile's snapshot at its start")
     return parser.parse_args()
 
 
@@ -50,8 +51,7 @@ def main() -> None:
     problem, _ = problem_for_config(profile, ds_config, settings, args.ranks, args.ranks, process_bytes=process)
     least = headroom_budget(problem, 0.0).least_bytes
     plan = solve(with_compute_capacity(problem, least), time_limit_s=settings.time_limit_s, max_gap=settings.max_gap)
-    shape = _rank_shape(ds_config, settings, args.ranks)
-    features = feature_workspace_bytes(profile, ds_config, shape)
+    features = feature_workspace_bytes(profile, ds_config, rank_shape(ds_config, settings, args.ranks))
     snapshot = problem.snapshot_held(plan.layers)
     peak = plan.predicted_peak_bytes["gpu"]
     parts = {
@@ -68,14 +68,6 @@ def main() -> None:
         print(f"{nbytes / GB:6.2f} GB  {name}")
     print(f"{peak / GB:6.2f} GB  predicted peak of the least plan (capacity {least / GB:.2f} GB; "
           f"per-rank budget {least / (1 - settings.memory_reserve) / GB:.2f} GB after memory_reserve)")
-
-
-def _rank_shape(ds_config: dict, settings, ranks: int):
-    from lazyzero.plan.deepspeed.problem_from_profile import RankShape, uses_torch_adam
-
-    dtype = training_dtype(ds_config)
-    return RankShape(ranks, str(dtype).removeprefix("torch."), str(dtype) != "torch.float32",
-                     settings.allow_8bit_optimizer, uses_torch_adam(ds_config))
 
 
 if __name__ == "__main__":

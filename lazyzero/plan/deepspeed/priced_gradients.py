@@ -24,7 +24,7 @@ def int8_gradients_priced(profile, ds_config: dict, settings) -> tuple[dict, str
     """`ds_config` with `lazyzero.gradients.enabled` as the plan decides it, and the line that says
     why (None where `settings.price_int8_gradients` is off or the section is off already)."""
     gradients = (ds_config.get("lazyzero") or {}).get("gradients") or {}
-    if not getattr(settings, "price_int8_gradients", False) or gradients.get("enabled") is not True:
+    if not settings.price_int8_gradients or gradients.get("enabled") is not True:
         return ds_config, None
     name = EXCHANGE_WITH_FEEDBACK if gradients.get("error_feedback", False) else EXCHANGE
     int8, theirs = profile.machine.collectives.get(name), profile.machine.collectives.get(DEEPSPEEDS)

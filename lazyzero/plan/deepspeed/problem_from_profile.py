@@ -318,6 +318,13 @@ def training_dtype(ds_config: dict):
     return torch.float32
 
 
+def rank_shape(ds_config: dict, settings, world_size: int) -> RankShape:
+    """One rank of a planned run with this DeepSpeed config and `plan` settings (a PlanConfig)."""
+    dtype = training_dtype(ds_config)
+    return RankShape(world_size, str(dtype).removeprefix("torch."), str(dtype) != "torch.float32",
+                     settings.allow_8bit_optimizer, uses_torch_adam(ds_config))
+
+
 def problem_for_config(profile: ModelProfile, ds_config: dict, settings, world_size: int,
                        local_ranks: int, process_bytes: int | None = None,
                        decide=lambda work: work()) -> tuple[PlanProblem, ModelSizes]:
@@ -325,9 +332,7 @@ def problem_for_config(profile: ModelProfile, ds_config: dict, settings, world_s
     With `plan.headroom_share`, its compute-memory capacity is placed from the problem itself
     (`calibrate.headroom_budget`), by `decide(work)`: a planned run computes it on one rank and gives
     every rank the same figure."""
-    dtype = training_dtype(ds_config)
-    shape = RankShape(world_size, str(dtype).removeprefix("torch."), str(dtype) != "torch.float32",
-                      settings.allow_8bit_optimizer, uses_torch_adam(ds_config))
+    shape = rank_shape(ds_config, settings, world_size)
     budgets = Budgets(settings.cpu_mem, settings.gpu_mem, settings.nvme_path, local_ranks, settings.memory_reserve)
     problem, sizes = problem_from_profile(profile, budgets, shape, allowed_bits=tuple(settings.allowed_bits),
                                           allow_recompute=settings.allow_recompute,

@@ -18,6 +18,8 @@ TORCH_LIBRARY_IMPL(lazyzero, CPU, m) {
   m.impl("quantize_int8_outliers", &quantize_int8_outliers_cpu);
   m.impl("quantize_int4_outliers", &quantize_int4_outliers_cpu);
   m.impl("restore_block_outliers_", &restore_block_outliers_cpu);
+  m.impl("quantize_token_blocks", &quantize_token_blocks_cpu);
+  m.impl("restore_token_blocks", &restore_token_blocks_cpu);
 }
 
 TORCH_LIBRARY_IMPL(lazyzero, CPU, m) {

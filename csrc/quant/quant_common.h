@@ -142,4 +142,75 @@ inline void check_restore_outliers_args(const at::Tensor& out, const at::Tensor&
   check_same_device(out, index, "out", "index");
 }
 
+// Blocks along tokens (quant_reference: "Blocks along tokens"): a storage of lead x tokens x
+// channels elements, cut into blocks of block_size tokens within one channel, the last token repeated
+// to fill the last block of each channel. Block (l * channels + c) * token_blocks + j.
+struct TokenBlocks {
+  int64_t lead;
+  int64_t tokens;
+  int64_t channels;
+  int64_t token_blocks;  // per channel: ceil(tokens / block_size)
+  int64_t block_size;
+
+  int64_t count() const { return lead * channels * token_blocks; }
+  int64_t padded_numel() const { return count() * block_size; }
+};
+
+// Whether `bits` asks for packed int4 codes (else int8); rejects any other width.
+inline bool packs_int4_for(int64_t bits) {
+  TORCH_CHECK(bits == 8 || bits == 4, "bits must be 8 or 4, got ", bits);
+  return bits == 4;
+}
+
+inline TokenBlocks token_blocks_of(int64_t numel, int64_t tokens, int64_t channels,
+                                   int64_t block_size) {
+  TORCH_CHECK(tokens > 0 && channels > 0 && numel % (tokens * channels) == 0, numel,
+              " elements are not lead x ", tokens, " tokens x ", channels, " channels");
+  return {numel / (tokens * channels), tokens, channels, num_blocks(tokens, block_size),
+          block_size};
+}
+
+// codes int8 [padded] (or packed uint8 [padded / 2]), scales fp32 [blocks], centres [blocks] in x's
+// dtype, on x's device.
+inline std::tuple<at::Tensor, at::Tensor, at::Tensor> allocate_token_block_outputs(
+    const at::Tensor& x, const TokenBlocks& blocks, bool packs_int4) {
+  const int64_t padded = blocks.padded_numel();
+  at::Tensor codes = packs_int4 ? at::empty({padded / 2}, x.options().dtype(at::kByte))
+                                : at::empty({padded}, x.options().dtype(at::kChar));
+  return {codes, at::empty({blocks.count()}, x.options().dtype(at::kFloat)),
+          at::empty({blocks.count()}, x.options())};
+}
+
+inline TokenBlocks check_quantize_token_blocks_args(const at::Tensor& x, int64_t tokens,
+                                                    int64_t channels, int64_t bits,
+                                                    int64_t block_size) {
+  check_block_size(block_size, packs_int4_for(bits));
+  check_float_dtype(x.scalar_type(), "x");
+  return token_blocks_of(x.numel(), tokens, channels, block_size);
+}
+
+// The blocks that `codes`, `scales` and `centres` hold, checked against one another.
+inline TokenBlocks check_restore_token_blocks_args(const at::Tensor& codes, const at::Tensor& scales,
+                                                   const at::Tensor& centres, int64_t tokens,
+                                                   int64_t channels, int64_t bits,
+                                                   int64_t block_size) {
+  const bool packs_int4 = packs_int4_for(bits);
+  check_block_size(block_size, packs_int4);
+  TORCH_CHECK(tokens > 0 && channels > 0, "tokens and channels must be positive, got ", tokens,
+              " and ", channels);
+  check_dtype(scales, at::kFloat, "scales");
+  check_float_dtype(centres.scalar_type(), "centres");
+  check_numel(centres, scales.numel(), "centres");
+  const int64_t per_lead = channels * num_blocks(tokens, block_size);
+  TORCH_CHECK(scales.numel() % per_lead == 0, "scales must hold whole channels of ", per_lead,
+              " blocks each, got ", scales.numel());
+  const TokenBlocks blocks{scales.numel() / per_lead, tokens, channels,
+                           num_blocks(tokens, block_size), block_size};
+  check_dtype(codes, packs_int4 ? at::kByte : at::kChar, "codes");
+  check_numel(codes, packs_int4 ? blocks.padded_numel() / 2 : blocks.padded_numel(), "codes");
+  check_same_device(codes, scales, "codes", "scales");
+  check_same_device(codes, centres, "codes", "centres");
+  return blocks;
+}
+
 }  // namespace lazyzero::quant

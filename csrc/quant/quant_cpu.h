@@ -41,4 +41,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_int4_outlier
 void restore_block_outliers_cpu(const at::Tensor& out, const at::Tensor& values,
                                 const at::Tensor& index, int64_t block_size);
 
+// csrc/quant/token_blocks_cpu.cpp
+std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_token_blocks_cpu(
+    const at::Tensor& x, int64_t tokens, int64_t channels, int64_t bits, int64_t block_size,
+    bool stochastic, int64_t seed);
+
+at::Tensor restore_token_blocks_cpu(const at::Tensor& codes, const at::Tensor& scales,
+                                    const at::Tensor& centres, int64_t tokens, int64_t channels,
+                                    int64_t bits, int64_t block_size);
+
 }  // namespace lazyzero::quant

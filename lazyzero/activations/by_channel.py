@@ -12,8 +12,10 @@ On SmolLM2-135M, q and k at 8 bits stored this way gave a gradient error of 0.01
 
 The layout is read from strides: the storage must hold `lead x tokens x channels` elements, tokens
 being the tensor's second-to-last dimension (SDPA's [batch, heads, tokens, head_dim] query, or the
-[batch, tokens, heads x head_dim] storage it is often a view of). Quantizing takes one transposed
-copy; tokens are padded to whole blocks by repeating the last one.
+[batch, tokens, heads x head_dim] storage it is often a view of). Tokens are padded to whole blocks
+by repeating the last one. One native call quantizes the storage where it lies, without a copy, and
+one restores it (`quantize_token_blocks` and `restore_token_blocks` in lazyzero/ops/quant.py, whose
+reference in lazyzero/ops/quant_reference.py, "Blocks along tokens", specifies the maths).
 """
 
 from __future__ import annotations
@@ -21,9 +23,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
-from lazyzero.ops.quant import BlockQuantized, dequantize_blockwise, quantize_blockwise
+from lazyzero.ops.quant import BlockQuantized, quantize_token_blocks, restore_token_blocks
+from lazyzero.ops.quant_reference import centred_to_storage
 
 
 @dataclass(frozen=True)
@@ -60,7 +62,8 @@ class ChannelBlocked:
     """A storage quantized in blocks along tokens, each block centred; `materialize()` restores it."""
 
     codes: object
-    """`BlockQuantized` of the centred [lead, channels, padded tokens] copy, or its offloaded form."""
+    """`BlockQuantized` of the centred blocks ([lead, channels, padded tokens], as fp32 values), or its
+    offloaded form."""
     centres: torch.Tensor
     """The middle of each block's range, [lead * channels * padded tokens / block], in the tensor's dtype."""
     layout: TokenLayout
@@ -76,30 +79,22 @@ class ChannelBlocked:
 
     def materialize(self) -> torch.Tensor:
         """The storage's elements, flat, in a buffer of their own."""
-        flat = dequantize_blockwise(self.codes) if isinstance(self.codes, BlockQuantized) else self.codes.materialize()
-        flat = flat.view(-1, self.block_size).add_(self.centres.unsqueeze(1))
         layout = self.layout
-        by_channel = flat.view(layout.lead, layout.channels, -1)[:, :, : layout.tokens]
-        return by_channel.transpose(1, 2).contiguous().view(-1)
+        if isinstance(self.codes, BlockQuantized):
+            return restore_token_blocks(self.codes, self.centres, layout.tokens, layout.channels)
+        # Offloaded: the fetched codes come back as the centred fp32 values (`PackedLayout.restore`).
+        return centred_to_storage(self.codes.materialize(), self.centres, layout.tokens, layout.channels,
+                                  self.block_size)
 
 
 def quantize_by_channel(root: torch.Tensor, bits: int, block_size: int, stochastic: bool = False,
                         seed: int = 0) -> ChannelBlocked | None:
     """`root`'s whole storage at `bits` in centred blocks of `block_size` tokens within each channel, or None
-    when its layout is not lead x tokens x channels (`TokenLayout.of`)."""
+    when its layout is not lead x tokens x channels (`TokenLayout.of`). The saved tensor is only read."""
     layout = TokenLayout.of(root)
     if layout is None:
         return None
     numel = layout.lead * layout.tokens * layout.channels
     flat = root.detach().as_strided((numel,), (1,), 0)
-    by_channel = flat.view(layout.lead, layout.tokens, layout.channels).transpose(1, 2)
-    padding = -layout.tokens % block_size
-    # A copy in every case: the centring below works in place and must not touch the saved tensor.
-    copy = (F.pad(by_channel, (0, padding), mode="replicate") if padding
-            else by_channel.clone(memory_format=torch.contiguous_format))
-    blocks = copy.view(-1, block_size)
-    low, high = torch.aminmax(blocks, dim=1)
-    centres = (low + high).div_(2)
-    blocks.sub_(centres.unsqueeze(1))
-    codes = quantize_blockwise(blocks.view(-1), bits=bits, block_size=block_size, stochastic=stochastic, seed=seed)
+    codes, centres = quantize_token_blocks(flat, layout.tokens, layout.channels, bits, block_size, stochastic, seed)
     return ChannelBlocked(codes, centres, layout, block_size)

@@ -25,6 +25,9 @@ backward recomputes it from the sources' stored forms (the product inside a gate
 is used only where its sources are stored at least as wide as the saving module's width: a 16-bit
 module keeps the exact tensor, an 8-bit one does not take a recipe over 4-bit sources.
 
+Inside attention a tensor with a block that is not finite is kept exact; on a GPU that is decided
+for all of them when the forward pass ends, in one host read (lazyzero/activations/finite_checks.py).
+
 Composes with activation checkpointing: torch's checkpoint pushes its own saved-tensor hooks inside
 ours, so what it recomputes never reaches the packer, and the policy gives recomputed layers 16 bits.
 
@@ -48,6 +51,7 @@ from lazyzero.activations import loss_head, rewrites
 from lazyzero.activations.accounting import ActivationAccounting
 from lazyzero.activations.attention_values import AttentionRoles
 from lazyzero.activations.by_channel import ChannelBlocked, quantize_by_channel
+from lazyzero.activations.finite_checks import FiniteChecks, PendingFinite, decides_at_once, has_nonfinite_block
 from lazyzero.activations.offload import ActivationOffloader, OffloadedStorage
 from lazyzero.activations.offload_io import AioSettings
 from lazyzero.activations.policy import KEEP_BITS, ActivationPolicy, ModuleBits
@@ -62,7 +66,8 @@ class _StoredStorage:
 
     root: weakref.ref
     version: int
-    forms: dict[int, BlockQuantized | ChannelBlocked | OffloadedStorage | None] = field(default_factory=dict)
+    forms: dict[int, BlockQuantized | ChannelBlocked | OffloadedStorage | PendingFinite | None] = field(
+        default_factory=dict)
     derived: DerivedStorage | None = None
     derived_counted: bool = False
 
@@ -90,6 +95,7 @@ class ActivationPacker:
         self._scopes: list[tuple[ModuleBits, nn.Module, torch.Tensor | None, AttentionRoles | None]] = []
         self._stored: dict[int, _StoredStorage] = {}
         self._seed = 0
+        self._finite_checks = FiniteChecks(self._settle)
         self._active: list[torch.autograd.graph.saved_tensors_hooks] = []
         modules = dict(model.named_modules())
         self._handles = []
@@ -158,6 +164,7 @@ class ActivationPacker:
     def __exit__(self, *exc_info) -> None:
         self._active.pop().__exit__(*exc_info)
         if not self._active:
+            self._finite_checks.resolve()  # one host read for the forward pass (finite_checks.py)
             # Only this forward pass can save these tensors again; autograd holds the packed forms.
             self._stored.clear()
             if self.offloader is not None:
@@ -245,10 +252,9 @@ class ActivationPacker:
         root = storage_root(tensor)
         bits = entry.bits if entry else KEEP_BITS
         # Only inside attention, apart from its input, value and output, does a finite forward pass
-        # save infinities (SDPA's logsumexp is -inf on fully masked rows): only there does `_quantize`
-        # look for blocks that are not finite. Anywhere else an infinity means the loss is not finite
-        # either. The look reads a flag back to the host, which on a GPU waits for every queued kernel:
-        # once per stored tensor, it more than doubled an H200's step (docs/activations.md).
+        # save infinities (SDPA's logsumexp is -inf on fully masked rows): only there does `_store`
+        # look for blocks that are not finite (lazyzero/activations/finite_checks.py). Anywhere else
+        # an infinity means the loss is not finite either.
         inside_attention = entry is not None and entry.kind == "attention"
         by_channel = False
         if root is module_input:
@@ -310,23 +316,46 @@ class ActivationPacker:
     def _store(self, root: torch.Tensor, bits: int, entry: ModuleBits | None, check_finite: bool,
                by_channel: bool = False) -> tuple[object, bool]:
         """Store `root`'s whole storage at `bits` (`by_channel`: in blocks along tokens, where its layout
-        allows), off the device if its layer offloads, and record the bytes: (the form, None when kept as
-        it is; whether it is kept exact rather than packed)."""
-        before = root.untyped_storage().nbytes()
+        allows; `check_finite`: exact where a block is not finite), off the device if its layer offloads,
+        and record the bytes: (the form, None when kept as it is; whether it is kept exact rather than
+        packed). Where that check is left for later, the form is a `PendingFinite` (not kept exact)."""
         layer, kind = (entry.layer, entry.kind) if entry else (None, None)
         if bits != KEEP_BITS and by_channel:
             form = self._store_by_channel(root, bits, layer, kind)
             if form is not None:
                 return form, False
-        packed = None if bits == KEEP_BITS else self._quantize(root, bits, check_finite)
-        if packed is None:
-            form = self.offloader.offload_kept(root, layer) if self.offloader is not None else None
-            self.accounting.record(layer, kind, before, before, offloaded=before if form is not None else 0)
-            return form, True
+        if bits == KEEP_BITS:
+            return self._store_kept(root, layer, kind), True
+        packed = self._quantize(root, bits)
+        if not check_finite:
+            return self._store_packed(root, packed, layer, kind), False
+        if not decides_at_once(root):
+            return self._finite_checks.add(packed, _flat_storage(root), root, layer, kind), False
+        if has_nonfinite_block(packed):
+            return self._store_kept(root, layer, kind), True
+        return self._store_packed(root, packed, layer, kind), False
+
+    def _settle(self, pending: PendingFinite, nonfinite: bool):
+        """Store a `PendingFinite` once its check is read: exact when `nonfinite`, else packed."""
+        root, layer, kind = pending.settle_args
+        if nonfinite:
+            return self._store_kept(root, layer, kind)
+        return self._store_packed(root, pending.packed, layer, kind)
+
+    def _store_kept(self, root: torch.Tensor, layer: int | None, kind) -> OffloadedStorage | None:
+        """`root` kept exact: its offloaded copy, or None when it stays as it is."""
+        before = root.untyped_storage().nbytes()
+        form = self.offloader.offload_kept(root, layer) if self.offloader is not None else None
+        self.accounting.record(layer, kind, before, before, offloaded=before if form is not None else 0)
+        return form
+
+    def _store_packed(self, root: torch.Tensor, packed: BlockQuantized, layer: int | None, kind):
+        """`root` stored as `packed`: it, or its offloaded copy."""
         after = packed.nbytes
         offloaded = self.offloader.offload_packed(packed, layer) if self.offloader is not None else None
-        self.accounting.record(layer, kind, before, after, offloaded=after if offloaded is not None else 0)
-        return (packed if offloaded is None else offloaded), False
+        self.accounting.record(layer, kind, root.untyped_storage().nbytes(), after,
+                               offloaded=after if offloaded is not None else 0)
+        return packed if offloaded is None else offloaded
 
     def _store_by_channel(self, root: torch.Tensor, bits: int, layer: int | None, kind) -> ChannelBlocked | None:
         """`_store` of an attention call's query or key in centred blocks along tokens
@@ -345,21 +374,19 @@ class ActivationPacker:
                                offloaded=codes_bytes if offloaded is not None else 0)
         return form
 
-    def _quantize(self, root: torch.Tensor, bits: int, check_finite: bool) -> BlockQuantized | None:
-        """`root`'s whole storage block-quantized at `bits`, or None where it must stay exact (a block
-        not finite, looked for only when `check_finite`)."""
-        numel = root.untyped_storage().nbytes() // root.element_size()
-        flat = root.detach().as_strided((numel,), (1,), 0)
+    def _quantize(self, root: torch.Tensor, bits: int) -> BlockQuantized:
+        """`root`'s whole storage block-quantized at `bits`."""
         config = self.policy.config
         self._seed += 1
-        packed = quantize_blockwise(flat, bits=bits, block_size=config.block_size,
-                                    stochastic=config.stochastic_rounding, seed=self._seed,
-                                    keep_outliers=config.keep_outliers)
-        # A block holding Inf or NaN (SDPA's logsumexp is -inf on fully masked rows) would come back
-        # as all NaN: keep such a tensor exact. One check over the scales, a block-th of the tensor.
-        if not check_finite:
-            return packed
-        return packed if bool(torch.isfinite(packed.scales).all()) else None
+        return quantize_blockwise(_flat_storage(root), bits=bits, block_size=config.block_size,
+                                  stochastic=config.stochastic_rounding, seed=self._seed,
+                                  keep_outliers=config.keep_outliers)
+
+
+def _flat_storage(root: torch.Tensor) -> torch.Tensor:
+    """The elements of `root`'s whole storage, flat, as a view."""
+    numel = root.untyped_storage().nbytes() // root.element_size()
+    return root.detach().as_strided((numel,), (1,), 0)
 
 
 def _is_weight_gradient(tensor: torch.Tensor, head: nn.Module) -> bool:

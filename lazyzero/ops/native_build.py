@@ -41,8 +41,8 @@ BACKENDS = ("cpu", "cuda")
 
 # The one list of sources, relative to csrc/, that every build of each backend compiles.
 NATIVE_SOURCES = {
-    "cpu": ("registration.cpp", "quant/quant_cpu.cpp", "adam8bit/adam_cpu.cpp"),
-    "cuda": ("quant/quant_cuda.cu", "adam8bit/adam_cuda.cu"),
+    "cpu": ("registration.cpp", "quant/quant_cpu.cpp", "quant/token_blocks_cpu.cpp", "adam8bit/adam_cpu.cpp"),
+    "cuda": ("quant/quant_cuda.cu", "quant/token_blocks_cuda.cu", "adam8bit/adam_cuda.cu"),
 }
 
 # -ffp-contract=off: a fused multiply-add rounds once where the reference rounds twice, and the

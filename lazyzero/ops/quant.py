@@ -1,12 +1,14 @@
 """Block-wise int8 / int4 quantization: op schemas, fake kernels and the Python API.
 
 The schemas below are defined once, in namespace `lazyzero`. Their CPU kernels come from C++
-(csrc/quant/quant_cpu.cpp) and CUDA kernels from csrc/quant/quant_cuda.cu, both attached when
+(csrc/quant/quant_cpu.cpp, token_blocks_cpu.cpp) and CUDA kernels from csrc/quant/quant_cuda.cu and
+token_blocks_cuda.cu, all attached when
 `lazyzero.ops.native_build` loads the native libraries on first use. The exact numerics, including zero
 and NaN/Inf blocks, int4 nibble order and the stochastic-rounding hash, are specified by
 `lazyzero.ops.quant_reference`, which every kernel matches bit for bit.
 
-Call the wrappers (`quantize_blockwise`, `dequantize_blockwise`, `dequantize_sum_int8`): they check
+Call the wrappers (`quantize_blockwise`, `dequantize_blockwise`, `dequantize_sum_int8`,
+`quantize_token_blocks`, `restore_token_blocks`): they check
 arguments, load the native kernels lazily and, on a CPU-only machine where they cannot be built,
 run the reference instead (after one logged warning).
 """
@@ -55,6 +57,14 @@ _SCHEMAS = {
         " -> (Tensor packed, Tensor scales, Tensor values, Tensor index)"
     ),
     "restore_block_outliers_": "(Tensor(a!) out, Tensor values, Tensor index, int block_size) -> ()",
+    "quantize_token_blocks": (
+        "(Tensor x, int tokens, int channels, int bits, int block_size, bool stochastic, int seed)"
+        " -> (Tensor codes, Tensor scales, Tensor centres)"
+    ),
+    "restore_token_blocks": (
+        "(Tensor codes, Tensor scales, Tensor centres, int tokens, int channels, int bits, int block_size)"
+        " -> Tensor"
+    ),
 }
 
 for _name, _schema in _SCHEMAS.items():
@@ -131,8 +141,51 @@ def _dequantize_sum_int8_into_fake(codes, scales, block_size, alpha, out):
     return None
 
 
+def _padded_token_blocks(numel: int, tokens: int, channels: int, block_size: int) -> int:
+    """Blocks of a lead x tokens x channels storage cut along tokens (quant_reference: "Blocks along tokens")."""
+    return numel // (tokens * channels) * channels * _num_blocks(tokens, block_size)
+
+
+@torch.library.register_fake("lazyzero::quantize_token_blocks")
+def _quantize_token_blocks_fake(x, tokens, channels, bits, block_size, stochastic, seed):
+    nblocks = _padded_token_blocks(x.numel(), tokens, channels, block_size)
+    padded = nblocks * block_size
+    codes = x.new_empty((padded,), dtype=torch.int8) if bits == 8 else x.new_empty((padded // 2,), dtype=torch.uint8)
+    return codes, x.new_empty((nblocks,), dtype=torch.float32), x.new_empty((nblocks,))
+
+
+@torch.library.register_fake("lazyzero::restore_token_blocks")
+def _restore_token_blocks_fake(codes, scales, centres, tokens, channels, bits, block_size):
+    lead = scales.shape[0] // (channels * _num_blocks(tokens, block_size))
+    return centres.new_empty((lead * tokens * channels,))
+
+
+class NativeCalls:
+    """`with NativeCalls() as calls:` counts the quant ops called through this module's wrappers, by
+    name (`calls.counts`, `calls.total`), whether the native kernel or the reference runs them. On a
+    GPU each is one kernel launch; what a caller launches beyond them is its own tensor operations."""
+
+    _active: list[NativeCalls] = []
+
+    def __init__(self):
+        self.counts: dict[str, int] = {}
+
+    @property
+    def total(self) -> int:
+        return sum(self.counts.values())
+
+    def __enter__(self) -> NativeCalls:
+        NativeCalls._active.append(self)
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        NativeCalls._active.remove(self)
+
+
 def _run(op_name: str, device: torch.device, *args):
     """The native op when its kernels are loaded for `device`, else the reference (CPU only)."""
+    for calls in NativeCalls._active:
+        calls.counts[op_name] = calls.counts.get(op_name, 0) + 1
     if device.type == "meta" or ensure_native(device.type):
         return getattr(torch.ops.lazyzero, op_name)(*args)
     return getattr(quant_reference, op_name)(*args)
@@ -314,3 +367,36 @@ def dequantize_sum_int8(
     _check_destination(out, "out", (torch.float32,), codes.shape[1], codes.device)
     _run("dequantize_sum_int8_into", codes.device, codes, scales, block_size, float(alpha), out)
     return out
+
+
+def _check_token_layout(numel: int, tokens: int, channels: int) -> None:
+    if tokens < 1 or channels < 1 or numel % (tokens * channels):
+        raise ValueError(f"{numel} elements are not lead x {tokens} tokens x {channels} channels")
+
+
+def quantize_token_blocks(
+    x: torch.Tensor, tokens: int, channels: int, bits: int = 8, block_size: int = DEFAULT_BLOCK_SIZE,
+    stochastic: bool = False, seed: int = 0,
+) -> tuple[BlockQuantized, torch.Tensor]:
+    """Quantize `x`, whose elements in their storage order are lead x tokens x channels, in centred
+    blocks of `block_size` tokens within one channel (quant_reference: "Blocks along tokens"), in one
+    native call that reads `x` where it lies: (the centred blocks, padded to whole blocks, as a
+    `BlockQuantized` of fp32 values; each block's centre in x's dtype). `restore_token_blocks` undoes it.
+    x must be contiguous (a flat view of a storage is)."""
+    _check_block_size(bits, block_size)
+    _check_float_dtype(x.dtype, "x.dtype")
+    _check_token_layout(x.numel(), tokens, channels)
+    if not x.is_contiguous():
+        raise ValueError("x must be contiguous: it is read in its storage order")
+    codes, scales, centres = _run("quantize_token_blocks", x.device, x, tokens, channels, bits, block_size,
+                                  stochastic, seed)
+    padded = torch.Size([scales.numel() * block_size])
+    return BlockQuantized(codes, scales, bits, block_size, padded, torch.float32), centres
+
+
+def restore_token_blocks(q: BlockQuantized, centres: torch.Tensor, tokens: int, channels: int) -> torch.Tensor:
+    """The elements `quantize_token_blocks` quantized, flat, in their storage order and centres' dtype."""
+    _check_block_size(q.bits, q.block_size)
+    _check_float_dtype(centres.dtype, "centres.dtype")
+    return _run("restore_token_blocks", q.codes.device, q.codes, q.scales, centres, tokens, channels, q.bits,
+                q.block_size)

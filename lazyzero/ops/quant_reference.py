@@ -30,6 +30,14 @@ Layout shared by all ops
 * int4 packing: element 2j goes to the low nibble of byte j, element 2j+1 to the high nibble, each
   as a 4-bit two's-complement number; an odd element count leaves the last high nibble 0.
   `block_size` must be even so that no byte straddles two blocks.
+* Blocks along tokens (`quantize_token_blocks`, `restore_token_blocks`): the input is a storage of
+  `lead x tokens x channels` elements in that order. Block `(l * channels + c) * token_blocks + j`
+  holds the elements `(l, t, c)` for `t` in `j * block_size .. (j + 1) * block_size - 1`, `t` clamped
+  to `tokens - 1` (the last token repeated to fill the last block); `token_blocks =
+  ceil(tokens / block_size)`. Per block, in fp32: `centre = (min + max) / 2` (NaN when the block holds
+  a NaN) is stored in the input's dtype, the block minus that stored centre is quantized as above
+  (its global element indices those of this padded layout), and restoring computes
+  `code * scale + centre` in fp32 and rounds once to the input's dtype, in the storage's own order.
 """
 
 from __future__ import annotations
@@ -257,3 +265,56 @@ def restore_block_outliers_(
     """Write each block's outlier back: out[b * block_size + index[b]] = values[b] (in out's dtype)."""
     starts = torch.arange(values.numel(), dtype=torch.int64, device=out.device) * block_size
     out.view(-1)[starts + index.to(torch.int64)] = values.to(out.dtype)
+
+
+def _token_block_index(tokens: int, block_size: int, device) -> torch.Tensor:
+    """The token each position of a channel's padded blocks reads: 0 .. tokens-1, then the last again."""
+    padded = -(-tokens // block_size) * block_size
+    return torch.arange(padded, device=device).clamp_(max=max(tokens - 1, 0))
+
+
+def _token_blocks(x: torch.Tensor, tokens: int, channels: int, block_size: int) -> torch.Tensor:
+    """x (lead x tokens x channels elements) as fp32 blocks along tokens, [lead * channels * token_blocks,
+    block_size], in the module docstring's order."""
+    flat = x.reshape(-1).to(torch.float32)
+    by_channel = flat.view(-1, tokens, channels).transpose(1, 2)  # [lead, channels, tokens]
+    return by_channel[:, :, _token_block_index(tokens, block_size, x.device)].reshape(-1, block_size)
+
+
+def quantize_token_blocks(
+    x: torch.Tensor, tokens: int, channels: int, bits: int, block_size: int, stochastic: bool, seed: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Centred blocks along tokens (module docstring): (codes int8 [padded] or packed uint8
+    [padded / 2], scales fp32 [nblocks], centres [nblocks] in x's dtype), padded = nblocks * block_size.
+
+    x: lead x tokens x channels elements, fp32 / bf16 / fp16, read flat in its own order.
+    """
+    blocks = _token_blocks(x, tokens, channels, block_size)
+    low, high = torch.aminmax(blocks, dim=1)  # NaN in a block gives NaN for both
+    centres = ((low + high) / 2).to(x.dtype)
+    centred = blocks - centres.to(torch.float32)[:, None]
+    qmax = INT8_MAX if bits == 8 else INT4_MAX
+    codes, scales = _quantize_codes(centred, block_size, qmax, stochastic, seed)
+    return (codes if bits == 8 else _pack_int4(codes)), scales, centres
+
+
+def restore_token_blocks(
+    codes: torch.Tensor, scales: torch.Tensor, centres: torch.Tensor, tokens: int, channels: int, bits: int,
+    block_size: int
+) -> torch.Tensor:
+    """Inverse of quantize_token_blocks: the storage's elements, flat, in centres' dtype."""
+    padded = scales.numel() * block_size
+    as_int = codes.reshape(-1).to(torch.int32) if bits == 8 else _unpack_int4(codes.reshape(-1), padded)
+    values = as_int.to(torch.float32) * _expand_scales(scales, block_size, padded)
+    return centred_to_storage(values, centres, tokens, channels, block_size)
+
+
+def centred_to_storage(
+    values: torch.Tensor, centres: torch.Tensor, tokens: int, channels: int, block_size: int
+) -> torch.Tensor:
+    """The second half of restore_token_blocks: fp32 centred values of the padded blocks plus their
+    centres, rounded once to centres' dtype and put back in the storage's order, flat."""
+    blocks = values.view(-1, block_size) + centres.to(torch.float32)[:, None]
+    token_blocks = -(-tokens // block_size)
+    by_channel = blocks.view(-1, channels, token_blocks * block_size)[:, :, :tokens]
+    return by_channel.transpose(1, 2).reshape(-1).to(centres.dtype)

@@ -63,3 +63,27 @@ def with_outliers(n: int, block_size: int, dtype: torch.dtype, seed: int = 2) ->
         x[block_size + 1] = x[block_size + 7] = -5000.0
         x[3 * block_size - 1] = 4000.0
     return x.to(dtype)
+
+
+# (lead, tokens, channels, block_size): whole blocks, a padded last block, fewer tokens than a block,
+# one token, one channel, channels that fill no whole task of the CPU kernel, no lead at all.
+TOKEN_BLOCK_SHAPES = [(2, 128, 32, 64), (3, 100, 40, 64), (2, 7, 33, 64), (1, 1, 5, 64), (4, 65, 1, 2),
+                      (1, 300, 70, 256), (0, 16, 8, 64)]
+
+
+def key_like(lead: int, tokens: int, channels: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
+    """lead x tokens x channels values, flat, whose channels have offsets of their own (as keys do)."""
+    generator = torch.Generator().manual_seed(seed)
+    offsets = torch.randn(channels, generator=generator) * 30
+    return (torch.randn(lead, tokens, channels, generator=generator) + offsets).to(dtype).reshape(-1)
+
+
+def with_non_finite(x: torch.Tensor, channels: int) -> torch.Tensor:
+    """x (lead x tokens x channels, flat) with a NaN, a +Inf and a -Inf, and channel 1 holding both
+    infinities in tokens 2 and 3 (one block)."""
+    x = x.clone()
+    spots = ((5, "nan"), (40, "inf"), (77, "-inf"), (2 * channels + 1, "inf"), (3 * channels + 1, "-inf"))
+    for index, value in spots:
+        if index < x.numel():
+            x[index] = float(value)
+    return x

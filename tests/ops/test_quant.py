@@ -254,6 +254,9 @@ def _opcheck_samples():
         ("quantize_int4_outliers", (x.float(), 64, True, 5)),
         ("restore_block_outliers_",
          (torch.zeros(1000, dtype=torch.bfloat16), *ops.quantize_int8_outliers(x, 64, False, 0)[2:], 64)),
+        ("quantize_token_blocks", (x, 100, 10, 8, 64, False, 0)),
+        ("quantize_token_blocks", (x.float(), 50, 20, 4, 64, True, 5)),
+        ("restore_token_blocks", (*ops.quantize_token_blocks(x, 100, 10, 4, 64, False, 0), 100, 10, 4, 64)),
     ]
 
 

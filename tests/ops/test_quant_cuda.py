@@ -142,6 +142,8 @@ def test_opcheck_every_op_on_cuda():
         ("quantize_int4_outliers", (x, 64, False, 0)),
         ("restore_block_outliers_",
          (torch.zeros(1000, device="cuda"), *ops.quantize_int8_outliers(x, 64, False, 0)[2:], 64)),
+        ("quantize_token_blocks", (x, 100, 10, 8, 64, True, 1)),
+        ("restore_token_blocks", (*ops.quantize_token_blocks(x, 100, 10, 4, 64, False, 0), 100, 10, 4, 64)),
     ]
     assert {name for name, _ in samples} == set(lazyzero.ops.quant._SCHEMAS)
     for op_name, args in samples:

@@ -46,6 +46,11 @@ class CheckpointConfig(ConfigSection):
     them; where the platform refuses, they run at normal priority (`lazyzero env` says why). "normal": training's
     priority."""
 
+    copy_bandwidth_share: Optional[float] = Field(None, gt=0, le=1)
+    """The most of this machine's memory copy bandwidth (measured once per process) the snapshot copies and the
+    writers' staging copies may take, so that a step overlapping them keeps the rest; they also pause while training
+    runs its optimizer step and ZeRO-3's forward gathers (docs/checkpoint.md, "Scheduling"). null: no rate limit."""
+
     verify_on_load: bool = True
     """Check every file's size and hash against the manifest before loading (docs/reliability.md, guarantee 2)."""
 

@@ -49,6 +49,28 @@ def lazy_checkpoint_engine(engine, verified: VerifiedFiles) -> LazyCheckpointEng
     return checkpoint_engine
 
 
+def pause_background_during_gathers(engine, pace) -> list:
+    """Under ZeRO-3, close `pace`'s window while a forward pass gathers a module's parameters: DeepSpeed
+    gathers them in a forward pre-hook it registers on every module when the engine is built, so a
+    pre-hook put before it and one put after it bracket the gather (docs/checkpoint.md, "Scheduling").
+    The hooks' handles, for `remove_hooks`."""
+    if engine.zero_optimization_stage() != 3:
+        return []
+    handles = []
+    for module in engine.module.modules():
+        if next(module.parameters(recurse=False), None) is None:
+            continue  # DeepSpeed gathers nothing for a module that holds no parameter itself
+        handles.append(module.register_forward_pre_hook(lambda *_: pace.close("gather"), prepend=True))
+        handles.append(module.register_forward_pre_hook(lambda *_: pace.open("gather")))
+    return handles
+
+
+def remove_hooks(handles: list) -> None:
+    for handle in handles:
+        handle.remove()
+    handles.clear()
+
+
 def stop_on_sigterm(engine) -> StopOnSigterm:
     """The SIGTERM handler and agreement of a lazy-checkpoint engine (preemption.py); collective."""
     return StopOnSigterm(dist.get_rank(), dist.get_world_size(), engine.lazyzero_config.checkpoint.save_on_sigterm,

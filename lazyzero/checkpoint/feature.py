@@ -28,6 +28,7 @@ class CheckpointFeature(Feature):
         self.verified = VerifiedFiles()
         self.stop: StopOnSigterm | None = None
         self.last_save_dir: str | None = None
+        self.gather_hooks: list = []
 
     @classmethod
     def refusals(cls) -> tuple[type[BaseException], ...]:
@@ -55,6 +56,7 @@ class CheckpointFeature(Feature):
             engine_hooks.route_deepspeed_loads(engine, self.verified)
             return
         self.stop = engine_hooks.stop_on_sigterm(engine)
+        self.gather_hooks = engine_hooks.pause_background_during_gathers(engine, engine.checkpoint_engine.pace)
 
     # --- saving ----------------------------------------------------------------------------------
 
@@ -87,6 +89,8 @@ class CheckpointFeature(Feature):
             engine.checkpoint_engine.before_optimizer_step()
 
     def after_optimizer_step(self, engine) -> None:
+        if self.lazy:
+            engine.checkpoint_engine.after_optimizer_step()
         # Every rank reaches each optimizer step: where they agree on a SIGTERM (preemption.py).
         if self.stop is None or not self.stop.agree(engine.global_steps) or self.stop.claimed_by:
             return
@@ -108,7 +112,7 @@ class CheckpointFeature(Feature):
     def before_load(self, engine) -> None:
         # Loading changes the state: a snapshot still being taken must end first.
         if self.lazy:
-            engine.checkpoint_engine.before_optimizer_step()
+            engine.checkpoint_engine.wait_for_snapshots()
 
     def resolve_load_tag(self, engine, load_dir, tag):
         return engine_hooks.prepare_load(engine, self.lazy, load_dir, tag, self.verified)
@@ -158,6 +162,7 @@ class CheckpointFeature(Feature):
                     checkpoint_commit_s=commit["queued_to_committed_s"])
 
     def close(self, engine) -> None:
+        engine_hooks.remove_hooks(self.gather_hooks)
         if self.stop is not None:
             self.stop.uninstall()
         if self.lazy and getattr(engine, "checkpoint_engine", None) is not None:

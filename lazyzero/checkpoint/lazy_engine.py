@@ -31,6 +31,7 @@ import torch
 from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo, CheckpointEngine
 
 from lazyzero.checkpoint.background_clocks import BackgroundClocks
+from lazyzero.checkpoint.background_pace import BackgroundPace, copy_bandwidth
 from lazyzero.checkpoint.commit import (
     WrittenFile,
     commit_on_rank0,
@@ -123,7 +124,9 @@ class LazyCheckpointEngine(CheckpointEngine):
         self.thread_priorities: dict[str, ThreadPriority] = {}
         self._writers = ThreadPoolExecutor(config.writer_threads, thread_name_prefix="lazyzero-ckpt-writer",
                                            initializer=self._start_background_thread)
-        self._staging = StagingBlocks(budget, thread_start=self._start_background_thread)
+        share = config.copy_bandwidth_share
+        self.pace = BackgroundPace(None if share is None else share * copy_bandwidth())
+        self._staging = StagingBlocks(budget, thread_start=self._start_background_thread, pace=self.pace)
         self._side_stream = torch.cuda.Stream() if on_cuda else None
         self._threads = [threading.Thread(target=self._copy_loop, name="lazyzero-ckpt-copy", daemon=True),
                          threading.Thread(target=self._flush_loop, name="lazyzero-ckpt-flush", daemon=True)]
@@ -183,10 +186,22 @@ class LazyCheckpointEngine(CheckpointEngine):
         self._current.files.append(snapshot_file(relpath, source, self._current.slot))
 
     def before_optimizer_step(self) -> None:
-        """The optimizer is about to change the state: wait for unfinished copies (not writes)."""
+        """The optimizer is about to change the state: wait for unfinished copies (not writes), then
+        hold the background writes back until `after_optimizer_step`."""
+        self.wait_for_snapshots()
+        self.pace.close("optimizer step")
+
+    def after_optimizer_step(self) -> None:
+        self.pace.open("optimizer step")
+
+    def wait_for_snapshots(self) -> None:
+        """Wait for unfinished copies (a load changes the state too). The host waits for the host's
+        copies only; the device's work queued from now on waits for the side stream's, on the device."""
         for checkpoint in self.pending():
             started = time.perf_counter()
-            self._wait_copies(checkpoint)
+            checkpoint.copies_done.wait()
+            if checkpoint.cuda_copies is not None:
+                torch.cuda.current_stream().wait_event(checkpoint.cuda_copies)
             checkpoint.step_wait_s += time.perf_counter() - started
         self.raise_failures()
 
@@ -196,6 +211,7 @@ class LazyCheckpointEngine(CheckpointEngine):
         `progress(tag, save_dir, waited_s)` is called every PROGRESS_EVERY_S while it waits."""
         started = time.perf_counter()
         deadline = None if timeout_s is None else started + timeout_s
+        self.pace.open_all()  # training waits: nothing of it is running (a step that raised left it closed)
         for checkpoint in self.pending():
             while not checkpoint.done.wait(_wait_slice(deadline)):
                 waited = time.perf_counter() - started
@@ -316,6 +332,7 @@ class LazyCheckpointEngine(CheckpointEngine):
         self._copy_queue.put(checkpoint)
 
     def _wait_copies(self, checkpoint: PendingCheckpoint) -> None:
+        """Until every copy of `checkpoint` has landed in host memory (the flush reads them)."""
         checkpoint.copies_done.wait()
         if checkpoint.cuda_copies is not None:
             checkpoint.cuda_copies.synchronize()
@@ -337,7 +354,7 @@ class LazyCheckpointEngine(CheckpointEngine):
         while (checkpoint := self._copy_queue.get()) is not None:
             try:
                 check_free_space(temp_dir(checkpoint.save_dir, checkpoint.tag), bytes_to_write(checkpoint.files))
-                run_copies(checkpoint.files)
+                run_copies(checkpoint.files, self.pace)
                 live = [f for f in checkpoint.files if f.reads_live_state]
                 if live:
                     if checkpoint.cuda_copies is not None:  # such a file may hold device tensors' buffers too

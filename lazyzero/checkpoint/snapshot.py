@@ -25,6 +25,10 @@ from typing import Any
 
 import torch
 
+from lazyzero.checkpoint.background_pace import BackgroundPace, paced_copy
+
+COPY_PIECE_BYTES = 4 << 20  # a paced copy's piece: long enough that admitting it costs nothing
+
 
 class HostBufferLimitError(RuntimeError):
     """The snapshot buffers would exceed `lazyzero.checkpoint.host_buffer_limit`."""
@@ -181,23 +185,26 @@ def snapshot_file(relpath: str, source: str | os.PathLike, buffers: HostBuffers)
                         raw=buffers.get((relpath, "raw"), torch.Size([size]), torch.uint8))
 
 
-def run_copies(files: list[FileSnapshot]) -> None:
-    """Fill the host buffers of `files` from host tensors and files (blocking; on the copy thread).
-    Device tensors are copied by the side stream instead (`start_device_copies`)."""
+def run_copies(files: list[FileSnapshot], pace: BackgroundPace | None = None) -> None:
+    """Fill the host buffers of `files` from host tensors and files (blocking; on the copy thread),
+    in pieces `pace` admits. Device tensors are copied by the side stream instead (`start_device_copies`)."""
     for snap in files:
         for dst, src in snap.copies:
             if not src.is_cuda:
-                dst.copy_(src)
+                paced_copy(dst, src, pace, COPY_PIECE_BYTES)
         if snap.raw_source is not None:
-            _read_into(snap.raw_source, snap.raw)
+            _read_into(snap.raw_source, snap.raw, pace)
 
 
-def _read_into(path: str, buffer: torch.Tensor) -> None:
+def _read_into(path: str, buffer: torch.Tensor, pace: BackgroundPace | None) -> None:
     view = memoryview(buffer.numpy()).cast("B")
     with open(path, "rb", buffering=0) as f:
         done = 0
         while done < view.nbytes:
-            n = f.readinto(view[done:])
+            piece = view[done:done + COPY_PIECE_BYTES]
+            if pace is not None:
+                pace.admit(piece.nbytes)
+            n = f.readinto(piece)
             if not n:
                 raise OSError(f"{path}: shrank to {done} bytes while being copied (expected {view.nbytes})")
             done += n

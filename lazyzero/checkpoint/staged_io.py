@@ -25,6 +25,7 @@ from typing import Callable
 import numpy as np
 
 from lazyzero.checkpoint import durable_io
+from lazyzero.checkpoint.background_pace import BackgroundPace
 from lazyzero.checkpoint.config import STAGING_BLOCK_BYTES
 from lazyzero.checkpoint.snapshot import BufferBudget, HostBufferLimitError
 
@@ -38,11 +39,13 @@ class StagingBlocks:
     """Page-aligned blocks drawn from the snapshot budget, reused across checkpoints, and the threads
     that write them (`io_pool`). At the budget's limit a writer waits for a block the disk is done
     with (the snapshot then runs at the disk's pace); the limit must leave room for one block.
-    `thread_start` runs first in each I/O thread (the engine's: its priority and CPU clock)."""
+    `thread_start` runs first in each I/O thread (the engine's: its priority and CPU clock); `pace`
+    admits each piece copied into a block (background_pace.py)."""
 
     def __init__(self, budget: BufferBudget, io_threads: int = IO_THREADS, block_bytes: int = BLOCK_BYTES,
-                 thread_start: Callable[[], None] | None = None):
+                 thread_start: Callable[[], None] | None = None, pace: BackgroundPace | None = None):
         self.block_bytes = block_bytes
+        self.pace = pace
         self.io_pool = ThreadPoolExecutor(io_threads, thread_name_prefix="lazyzero-ckpt-io", initializer=thread_start)
         self._budget = budget
         self._free: list[mmap.mmap] = []
@@ -90,6 +93,8 @@ class StagedFileWriter(durable_io.HashingFileWriter):
             if self._block is None:
                 self._block = self._blocks.take()
             n = min(view.nbytes - done, self._blocks.block_bytes - self._filled, HASH_PIECE_BYTES)
+            if self._blocks.pace is not None:
+                self._blocks.pace.admit(n)
             staged = np.frombuffer(self._block, np.uint8, n, self._filled)
             np.copyto(staged, np.frombuffer(view, np.uint8, n, done))  # releases the GIL, unlike a slice assignment
             self._hash.update(staged)  # while the piece is still in cache: one pass over memory, not two

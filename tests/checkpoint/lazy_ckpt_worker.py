@@ -107,24 +107,26 @@ def flatten(value, prefix: str = "") -> dict:
     return {prefix: None} if value is None else {}
 
 
-def state_of(engine) -> dict:
-    """What a checkpoint restores on this rank, flattened (see the module docstring)."""
+def state_of(engine, with_module: bool = True) -> dict:
+    """What a checkpoint restores on this rank, flattened (see the module docstring); without the
+    module's parameters where the checkpoint keeps them only in the optimizer's state (ZeRO-3)."""
     parameters = {name: getattr(p, "ds_tensor", p) for name, p in engine.module.named_parameters()}
-    return flatten({"module": parameters, "optimizer": engine.optimizer.state_dict(),
+    return flatten({"module": parameters if with_module else {}, "optimizer": engine.optimizer.state_dict(),
                     "lr_scheduler": engine.lr_scheduler.state_dict(), "global_steps": engine.global_steps,
                     "rng": torch.get_rng_state()})
 
 
-def saved_state(tag_dir: Path, rank: int) -> dict:
-    """`state_of` as this rank's files of a ZeRO-1/2 tag hold it (DeepSpeed's file names)."""
+def saved_state(tag_dir: Path, rank: int, stage: int = 2) -> dict:
+    """`state_of` as this rank's files of a tag hold it (DeepSpeed's file names). A ZeRO-3 model file
+    holds empty parameters (the partitions are the optimizer's fp32 groups): its "module" is empty."""
     def read(name):
         return torch.load(tag_dir / name, map_location="cpu", weights_only=False)
 
-    model = read("mp_rank_00_model_states.pt")
+    model = read(f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt" if stage == 3 else "mp_rank_00_model_states.pt")
     optimizer = read(f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt")["optimizer_state_dict"]
     rng = read(rank_state_path(".", rank).name)["features"]["rng"]["cpu"]
-    return flatten({"module": model["module"], "optimizer": optimizer, "lr_scheduler": model["lr_scheduler"],
-                    "global_steps": model["global_steps"], "rng": rng})
+    return flatten({"module": model["module"] if stage != 3 else {}, "optimizer": optimizer,
+                    "lr_scheduler": model["lr_scheduler"], "global_steps": model["global_steps"], "rng": rng})
 
 
 def differences(found: dict, expected: dict) -> list[str]:
@@ -348,9 +350,9 @@ class SlowWriter:
             pause = self._random.uniform(0.0, self._longest[kind])
         time.sleep(pause)
 
-    def _copy(self, files) -> None:
+    def _copy(self, files, pace=None) -> None:
         self._pause("copy")
-        self._originals[1](files)
+        self._originals[1](files, pace)
 
     def _write(self, snap, folder: Path, fail_midway: bool, blocks):
         with self._busy(folder.name.rsplit(".", 1)[-1]):  # .lazyzero-tmp.<tag>
@@ -382,13 +384,15 @@ class SlowWriter:
         commit.write_file, lazy_engine.run_copies, lazy_engine.make_durable = self._originals
 
 
-def slow_writer_run(out: Path, seed: int, max_in_flight: int, stage: int, steps: int = 16) -> dict:
+def slow_writer_run(out: Path, seed: int, max_in_flight: int, stage: int, share: float | None = None,
+                    steps: int = 16) -> dict:
     """Saves at random steps, the same on every rank (the save is collective), always including two
-    consecutive steps; each reference kept in memory and compared with the files at the end."""
+    consecutive steps; each reference kept in memory and compared with the files at the end. `share`:
+    the background copies' copy_bandwidth_share (background_pace.py)."""
     schedule = random.Random(seed)
     first_pair = schedule.randrange(1, steps)
     save_steps = sorted({first_pair, first_pair + 1, *schedule.sample(range(1, steps + 1), 5)})
-    engine = new_engine(stage, max_in_flight=max_in_flight)
+    engine = new_engine(stage, max_in_flight=max_in_flight, copy_bandwidth_share=share)
     writer = SlowWriter(seed * 10 + engine.global_rank, longest_write_s=0.25, longest_copy_s=0.05)
     save_dir = out / f"slow_seed{seed}"
     references, saves, steps_during_writes = {}, [], 0
@@ -397,24 +401,33 @@ def slow_writer_run(out: Path, seed: int, max_in_flight: int, stage: int, steps:
         train_step(engine, step)
         if step in save_steps:
             tag = f"step{step}"
-            references[tag] = state_of(engine)
+            references[tag] = state_of(engine, with_module=stage != 3)
             busy = writer.tags_being_written()
             started = time.monotonic()
             engine.save_checkpoint(str(save_dir), tag=tag, client_state={"step": step})
             saves.append({"tag": tag, "busy_at_call": busy, "save_s": time.monotonic() - started,
                           "others_busy_at_return": [t for t in writer.tags_being_written() if t != tag]})
     engine.wait_for_checkpoints()
+    pace_closes = dict(engine.checkpoint_engine.pace.close_counts)
     destroy_engine(engine)
     writer.remove()
     committed = committed_tags(save_dir)
-    mismatches = {tag: differences(saved_state(save_dir / tag, dist.get_rank()), references[tag]) for tag in committed}
+    mismatches = {tag: differences(saved_state(save_dir / tag, dist.get_rank(), stage), references[tag])
+                  for tag in committed}
     return {"seed": seed, "max_in_flight": max_in_flight, "stage": stage, "saves": saves, "committed": committed,
             "latest": read_latest(save_dir), "compared": {tag: len(references[tag]) for tag in committed},
-            "differences": mismatches, "slowed_calls": writer.calls, "steps_during_writes": steps_during_writes}
+            "differences": mismatches, "slowed_calls": writer.calls, "steps_during_writes": steps_during_writes,
+            "steps": steps, "pace_closes": pace_closes}
 
 
 def slow_writer(out: Path, runs: list[str]) -> dict:
-    return {run: slow_writer_run(out, *map(int, run.split(":"))) for run in runs}
+    """`runs`: SEED:MAX_IN_FLIGHT:ZERO_STAGE[:COPY_BANDWIDTH_SHARE] each."""
+    results = {}
+    for run in runs:
+        seed, max_in_flight, stage, *share = run.split(":")
+        results[run] = slow_writer_run(out, int(seed), int(max_in_flight), int(stage),
+                                       float(share[0]) if share else None)
+    return results
 
 
 def main() -> None:

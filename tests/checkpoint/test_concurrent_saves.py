@@ -1,7 +1,8 @@
 """docs/reliability.md row 5: parameters change while a flush is slow, and saves come during flushes.
 
 One 2-rank launch (tests/checkpoint/lazy_ckpt_worker.py, mode slow_writer) runs several seeded runs of
-16 steps with ZeRO-1 or ZeRO-2: saves at random steps (always two on consecutive steps), each file
+16 steps with ZeRO-1, ZeRO-2 or ZeRO-3 (with the background copies rated and paused over gathers and
+steps, background_pace.py): saves at random steps (always two on consecutive steps), each file
 write preceded by a random sleep of up to 0.25 s and each snapshot copy by one of up to 0.05 s, so
 that optimizer steps run while the previous step's snapshot is still being copied or written. Every
 committed tag's files must then equal, bit for bit, the state of its step taken when it was saved.
@@ -16,8 +17,8 @@ import pytest
 from lazyzero.testing import run_distributed
 
 WORKER = Path(__file__).resolve().parent / "lazy_ckpt_worker.py"
-# SEED:MAX_IN_FLIGHT:ZERO_STAGE
-DEFAULT_RUNS = ["1:1:2", "2:2:2", "3:1:1", "4:2:1"]
+# SEED:MAX_IN_FLIGHT:ZERO_STAGE[:COPY_BANDWIDTH_SHARE]
+DEFAULT_RUNS = ["1:1:2", "2:2:2", "3:1:1", "4:2:1", "22:2:3:0.25"]
 MANY_RUNS = [f"{seed}:{1 + seed % 2}:{1 + (seed // 2) % 2}" for seed in range(5, 21)]
 
 
@@ -74,3 +75,14 @@ def test_a_save_during_a_flush_waits_with_one_buffer_and_takes_the_other_with_tw
             overlapped += result["max_in_flight"] == 2 and max(others) == 1
     # Timing decides each single save; over the runs with two buffers, some save must have overlapped.
     assert overlapped > 0
+
+
+@pytest.mark.multiproc
+def test_under_zero3_the_window_closes_over_every_optimizer_step_and_over_gathers(default_ranks):
+    for rank, record in enumerate(default_ranks):
+        for run, result in record.items():
+            closes = result["pace_closes"]
+            assert closes.get("optimizer step") == result["steps"], f"rank {rank}, run {run}: {closes}"
+            # Every forward gathers each of the three Linear layers once; only ZeRO-3 gathers.
+            assert closes.get("gather", 0) == (3 * result["steps"] if result["stage"] == 3 else 0), \
+                f"rank {rank}, run {run}: {closes}"

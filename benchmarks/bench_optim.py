@@ -17,7 +17,11 @@ Cases, timed interleaved in one run (`common.median_seconds`):
   otherwise the reason is recorded under `skipped`.
 
 All CPU cases run on the same thread count (`--threads`, default: every core). With CUDA, our
-AdamW8bit is also timed against torch's fused AdamW on the GPU (keys prefixed `gpu_`).
+AdamW8bit is also timed against torch's fused AdamW on the GPU, and bitsandbytes' AdamW8bit where it
+imports (keys prefixed `gpu_`); `gpu_bandwidth_fraction` is our step's bytes moved per second (each
+element's parameter, gradient and 8-bit moments read, parameter and moments written: `STEP_BYTES_PER_PARAM`)
+over a device-to-device copy's (bytes read plus written), timed in the same run. `--gpu-only` times just
+that part (benchmarks/gpu_checks.sh).
 
 `clip_overhead` above counts the norm pass as clipping's cost. A DeepSpeed engine computes the
 global norm on every step whether it clips or not (it reports it, and the 8-bit engine skips a step
@@ -66,6 +70,12 @@ TORCH_ADAMW_VARIANTS = ("torch_adamw_foreach", "torch_adamw_fused")
 ENGINE_BATCH = 8
 # Far below the gradients' norm (recorded as engine_grad_norm), so that every clipped step clips.
 ENGINE_CLIP = 1e-6
+# Bytes one step reads and writes per fp32 parameter: parameter and gradient read (8), parameter
+# written (4), and the two moments read and written (8-bit: 2 x 2 bytes and their fp32 block scales;
+# fp32: 2 x 8 bytes).
+_SCALES = 2 * 2 * 4 / 256
+STEP_BYTES_PER_PARAM = {"lazyzero_adamw8bit": 12 + 4 + _SCALES, "bitsandbytes_adamw8bit": 12 + 4 + _SCALES,
+                        "torch_adamw_fused": 12 + 16}
 
 Factory = Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]
 
@@ -75,6 +85,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="fewer repeats; same sizes")
     parser.add_argument("--out", type=Path, help="write the results as JSON to this file")
     parser.add_argument("--threads", type=int, default=os.cpu_count(), help="threads of every CPU optimizer")
+    parser.add_argument("--gpu-only", action="store_true", help="only the GPU cases (needs CUDA)")
     return parser.parse_args()
 
 
@@ -271,28 +282,49 @@ def measure_engine_clipping(repeats: int) -> tuple[dict[str, float], dict]:
 
 
 def measure_gpu(repeats: int) -> tuple[dict[str, float], dict]:
-    """Our AdamW8bit on CUDA tensors against torch's fused AdamW there, and the clip overhead."""
+    """Our AdamW8bit on CUDA tensors against torch's fused AdamW there (and bitsandbytes' AdamW8bit where
+    it runs), the clip overhead, and the bandwidth each step achieves against a device copy's."""
     initial = random_tensors("cuda", PARAMETER_STD, seed=0)
     gradients = random_tensors("cuda", GRADIENT_STD, seed=1)
     ours = AdamW8bit(parameter_copies(initial, gradients), **HYPERPARAMETERS)
     fused = torch.optim.AdamW(parameter_copies(initial, gradients), fused=True, **HYPERPARAMETERS)
+    bnb, skipped = optional_baseline(bitsandbytes_adamw8bit, parameter_copies(initial, gradients))
     del initial
-    cases = {**lazyzero_cases(ours), "torch_adamw_fused": fused.step}
+    source = torch.cat(gradients)
+    destination = torch.empty_like(source)
+    cases = {**lazyzero_cases(ours), "torch_adamw_fused": fused.step, "device_copy": lambda: destination.copy_(source)}
+    if bnb is not None:
+        cases["bitsandbytes_adamw8bit"] = bnb.step
     seconds = median_seconds(cases, repeats)
     step = seconds["lazyzero_adamw8bit"]
+    copy_bytes_per_s = 2 * source.numel() * source.element_size() / seconds["device_copy"]
+    fractions = {name: per_param * PARAMETERS / seconds[name] / copy_bytes_per_s
+                 for name, per_param in STEP_BYTES_PER_PARAM.items() if name in seconds}
     results = {
         "gpu_speed_ratio_vs_torch_adamw_fused": seconds["torch_adamw_fused"] / step,
         "gpu_state_bytes_per_param": ours.state_bytes() / PARAMETERS,
         "gpu_clip_overhead": seconds["lazyzero_adamw8bit_clipped"] / step,
+        "gpu_bandwidth_fraction": fractions["lazyzero_adamw8bit"],
     }
+    if bnb is not None:
+        results["gpu_speed_ratio_vs_bitsandbytes_adamw8bit"] = seconds["bitsandbytes_adamw8bit"] / step
     details = {"seconds": seconds, "params_per_second": {name: PARAMETERS / value for name, value in seconds.items()},
-               "device": torch.cuda.get_device_name()}
+               "device": torch.cuda.get_device_name(), "device_copy_bytes_per_s": copy_bytes_per_s,
+               "bandwidth_fraction": fractions, "step_bytes_per_param": STEP_BYTES_PER_PARAM,
+               "skipped": {} if bnb is not None else {"bitsandbytes_adamw8bit": skipped}}
     return results, details
 
 
 def main() -> None:
     args = parse_args()
     pin_threads(args.threads)
+    if args.gpu_only:
+        if not torch.cuda.is_available():
+            raise SystemExit("--gpu-only: no CUDA device here")
+        native_build.ensure_native("cuda")  # raises, naming the reason, when the CUDA kernels cannot load
+        results, gpu_details = measure_gpu(repeats=20 if args.quick else 100)
+        write_results(args.out, "bench_optim", args.quick, results, {"gpu": gpu_details})
+        return
     if not native_build.ensure_native("cpu"):
         raise SystemExit("the C++ kernels are unavailable:\n" + native_build.format_status(native_build.status()))
     results, details = measure_cpu(repeats=5 if args.quick else 21)

@@ -42,6 +42,17 @@ run's peak resident set (whole process lifetime, profiling included) over the bu
    Adam's 16 bytes per parameter, over the per-rank budget; the details also give each rank's share
    over its budget, `state_per_rank_over_budget`), `larger_than_memory_pred_error_step_time` and
    `..._peak_mem` (the first plan's check). `--larger-than-memory-only` runs just this.
+
+`--gpu` (benchmarks/gpu_checks.sh) runs none of the above: the `1b` preset on one GPU under
+`ds_configs/gpu_1b_planned_80gb.json` (a GPU budget well below its training state), then DeepSpeed's
+default ZeRO-Infinity offload of the same problem (`deepspeed_default_plan`: parameters and fp32 states
+in host memory, nothing recomputed, plain DeepSpeed) under the same budget, GPU_STEPS steps each. Keys:
+`speedup_vs_deepspeed_default` (median step times, the plan's after its first check),
+`pred_error_step_time` and `pred_error_peak_mem` (the first check), `achieved_tflops` (model FLOPs,
+6 x tokens x the parameters multiplied plus causal attention, over the plan's median step) and
+`model_flops_fraction` (over the GPU's dense bf16 peak, PEAK_BF16_TFLOPS; left out, with the reason, for
+a GPU not in that table), `state_over_budget`. The results are written after the planned run and again
+after the baseline, so that a run stopped in the baseline keeps the plan's figures.
 """
 
 from __future__ import annotations
@@ -85,6 +96,12 @@ LARGER_STEPS, LARGER_SEQ_LEN, MIXED_PRECISION_ADAM_BYTES = 6, 64, 16
 # The allocator settings lazyzero applies for a planned run (lazyzero/plan/deepspeed/host_memory.py), given
 # to every run so that the baselines are measured with the same allocator.
 ALLOCATOR_ENV = {"MALLOC_MMAP_THRESHOLD_": "262144", "MALLOC_TRIM_THRESHOLD_": "1048576", "MALLOC_ARENA_MAX": "2"}
+# The one-GPU run (--gpu): its config, steps per run, and the plan's steps from which it is timed (after
+# its first check, steps 2-4, and any re-plan).
+GPU_CONFIG = ROOT / "ds_configs" / "gpu_1b_planned_80gb.json"
+GPU_MODEL, GPU_STEPS, GPU_PLANNED_STEADY_FROM = "1b", 10, 5
+# Dense bf16 peak TFLOP/s by the name torch gives the device (NVIDIA's datasheets: H100 and H200 SXM).
+PEAK_BF16_TFLOPS = {"H100": 989.4, "H200": 989.4}
 
 
 def parse_args() -> argparse.Namespace:
@@ -97,6 +114,8 @@ def parse_args() -> argparse.Namespace:
                         help="only profile_peak_rss_over_model_bytes (about 4 minutes here), not the training runs")
     parser.add_argument("--larger-than-memory-only", action="store_true",
                         help="only the larger-than-memory run (the 1b preset, item 4 above)")
+    parser.add_argument("--gpu", action="store_true",
+                        help=f"only the {GPU_MODEL} preset on one GPU, planned and DeepSpeed's default (needs CUDA)")
     return parser.parse_args()
 
 
@@ -122,7 +141,7 @@ def planned_config(nvme: str, work: Path) -> dict:
 
 
 def train(name: str, config: dict, work: Path, steps: int, model: str | None = None,
-          seq_len: int = SEQ_LEN) -> list[dict]:
+          seq_len: int = SEQ_LEN, ranks: int = RANKS) -> list[dict]:
     folder = work / name
     folder.mkdir(parents=True, exist_ok=True)
     config_path = folder / "ds_config.json"
@@ -132,7 +151,7 @@ def train(name: str, config: dict, work: Path, steps: int, model: str | None = N
             "--seq-len", str(seq_len), "--max-steps", str(steps), "--eval-problems", "0", "--output-dir", str(folder)]
     print(f"[bench_planner] {name}: {steps} steps", flush=True)
     started = time.perf_counter()
-    proc = run_distributed("deepspeed", RANKS, argv, timeout=3600, cwd=ROOT, env=ALLOCATOR_ENV)
+    proc = run_distributed("deepspeed", ranks, argv, timeout=3600, cwd=ROOT, env=ALLOCATOR_ENV)
     (folder / "output.txt").write_text(proc.stdout)
     if proc.returncode != 0:
         raise SystemExit(f"{name} failed (see {folder / 'output.txt'}):\n{proc.stdout[-4000:]}")
@@ -272,8 +291,85 @@ def priced_speeds(printed: str) -> dict[str, float]:
     return {name: float(value) * 1e9 for name, value in re.findall(r"(nvme_\w+) ([0-9.]+) GB/s", line)}
 
 
+def model_flops_per_step(preset_name: str, seq_len: int, micro_batch: int) -> float:
+    """Training FLOPs of one step, recompute not counted: 3 x the forward's (deepspeed/costs.py: each
+    multiplied weight 2 FLOPs a token, the lm_head's too; causal attention 2 x b x s^2 x h a layer)."""
+    from lazyzero.models.presets import PRESETS
+    from lazyzero.plan.deepspeed.costs import decoder_layer_tensors
+
+    dims = PRESETS[preset_name]
+    multiplied = dims.layers * sum(decoder_layer_tensors(dims).values()) + dims.vocab_size * dims.hidden
+    forward = 2 * seq_len * micro_batch * multiplied + dims.layers * 2 * micro_batch * seq_len**2 * dims.hidden
+    return 3 * forward
+
+
+def peak_tflops(device: str) -> float | None:
+    return next((value for name, value in PEAK_BF16_TFLOPS.items() if name in device), None)
+
+
+def gpu_baseline_config(config: dict, profile_path: Path) -> dict:
+    """DeepSpeed's default ZeRO-Infinity offload of the planned run's own problem (same profile, same
+    budget), as the plain DeepSpeed config `implied` makes of it."""
+    from lazyzero.config import PlanConfig
+    from lazyzero.plan import deepspeed_default_plan
+    from lazyzero.plan.deepspeed.implied import implied_setup
+    from lazyzero.plan.deepspeed.problem_from_profile import problem_for_config
+    from lazyzero.plan.profile.profiler import read_profile
+
+    settings = PlanConfig(**config["lazyzero"]["plan"])
+    problem, sizes = problem_for_config(read_profile(profile_path), config, settings, 1, 1)
+    base = {key: value for key, value in config.items() if key != "lazyzero"}
+    return implied_setup(problem, deepspeed_default_plan(problem), base=base, sizes=sizes).ds_config
+
+
+def on_one_gpu(args: argparse.Namespace) -> None:
+    """--gpu: the planned run, its figures written, then DeepSpeed's default and the speedup."""
+    import torch
+
+    if not torch.cuda.is_available():
+        raise SystemExit("--gpu: no CUDA device here")
+    work = args.work / "gpu"
+    config = json.loads(GPU_CONFIG.read_text())
+    plan_settings = config["lazyzero"]["plan"]
+    profile_path = work / "planned" / "profile.json"
+    plan_settings.update(output_dir=str(work / "planned" / "plan"), profile_path=str(profile_path))
+    seq_len, micro_batch = plan_settings["seq_len"], config["train_micro_batch_size_per_gpu"]
+    planned = train("gpu/planned", config, args.work, GPU_STEPS, model=GPU_MODEL, seq_len=seq_len, ranks=1)
+    report = json.loads((work / "planned" / "report.json").read_text())
+    first = report["plan_checks"][0]
+    step_s = {"planned": statistics.median(r["step_time_s"] for r in planned[GPU_PLANNED_STEADY_FROM:])}
+    flops = model_flops_per_step(GPU_MODEL, seq_len, micro_batch)
+    device = torch.cuda.get_device_name()
+    results = {"pred_error_step_time": abs(first["step_time_error"]), "pred_error_peak_mem": abs(first["peak_error"]),
+               "achieved_tflops": flops / step_s["planned"] / 1e12,
+               "state_over_budget": report["parameters"] * MIXED_PRECISION_ADAM_BYTES
+               / report["compute_budget_per_rank_bytes"]}
+    peak = peak_tflops(device)
+    if peak is not None:
+        results["model_flops_fraction"] = results["achieved_tflops"] / peak
+    details = {"gpu": {"device": device, "peak_bf16_tflops": peak, "model": GPU_MODEL, "seq_len": seq_len,
+                       "micro_batch": micro_batch, "model_flops_per_step": flops, "steps": GPU_STEPS,
+                       "config": str(GPU_CONFIG.relative_to(ROOT)), "plan_checks": report["plan_checks"],
+                       "plan_layers": report["plan"]["layers"], "setup_time_s": report.get("setup_time_s"),
+                       "all_step_s": {"planned": [r["step_time_s"] for r in planned]}, "step_s": step_s,
+                       "peak_mem_bytes": {"planned": max(r["peak_mem_bytes"] for r in planned)}}}
+    if peak is None:
+        details["gpu"]["skipped"] = {"model_flops_fraction": f"no dense bf16 peak known for {device!r}"}
+    write_results(args.out, "bench_planner", args.quick, results, details)
+    baseline = train("gpu/deepspeed_default", gpu_baseline_config(config, profile_path), args.work, GPU_STEPS,
+                     model=GPU_MODEL, seq_len=seq_len, ranks=1)
+    step_s["deepspeed_default"] = statistics.median(r["step_time_s"] for r in baseline[WARMUP_STEPS:])
+    results["speedup_vs_deepspeed_default"] = step_s["deepspeed_default"] / step_s["planned"]
+    details["gpu"]["all_step_s"]["deepspeed_default"] = [r["step_time_s"] for r in baseline]
+    details["gpu"]["peak_mem_bytes"]["deepspeed_default"] = max(r["peak_mem_bytes"] for r in baseline)
+    write_results(args.out, "bench_planner", args.quick, results, details)
+
+
 def main() -> None:
     args = parse_args()
+    if args.gpu:
+        on_one_gpu(args)
+        return
     # DeepSpeed never removes its swap files (zero_stage_3/ under the NVMe folder: 32 GB after the
     # 1b run), so every run swaps into a folder of its own under this one, removed at the end.
     scratch = Path(tempfile.mkdtemp(prefix="bench_planner_", dir=args.nvme))

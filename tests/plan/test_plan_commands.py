@@ -73,11 +73,13 @@ def check_outputs(out, problem):
     return plan
 
 
-def test_plan_7b_on_one_24gb_gpu_with_64gb_host(tmp_path, capsys):
-    status, out, printed = run_plan(tmp_path, capsys, "--model", "7b", "--gpu-mem", "24GB", "--cpu-mem", "64GB")
+@pytest.mark.parametrize("gpu_gb, cpu_gb", [(24, 64), (80, 120)])
+def test_plan_7b_on_one_gpu_with_a_host(tmp_path, capsys, gpu_gb, cpu_gb):
+    status, out, printed = run_plan(tmp_path, capsys, "--model", "7b", "--gpu-mem", f"{gpu_gb}GB",
+                                    "--cpu-mem", f"{cpu_gb}GB")
     assert status == 0, printed.err
-    problem = problem_from_preset("7b", gpu_mem=24 * GB, cpu_mem=64 * GB, nvme_path=None, seq=4096, micro_batch=1,
-                                  **SPEEDS)
+    problem = problem_from_preset("7b", gpu_mem=gpu_gb * GB, cpu_mem=cpu_gb * GB, nvme_path=None, seq=4096,
+                                  micro_batch=1, **SPEEDS)
     plan = check_outputs(out, problem)
     assert f"predicted step time {plan.predicted_step_s:.3f} s" in printed.out
     for baseline in ("greedy:", "fixed rule (k=4):", "DeepSpeed default:"):

@@ -41,8 +41,8 @@ def run_checks(monkeypatch, step_times: list[float], checkpointing: list[bool] |
     clock = iter(ends)
     monkeypatch.setattr(monitor.time, "perf_counter", lambda: next(clock))
     monkeypatch.setattr(monitor, "predicted_compute_peak", lambda problem, plan, taken: PEAK_BYTES)
-    monkeypatch.setattr(monitor, "_peak", lambda: int(PEAK_BYTES))
-    monkeypatch.setattr(monitor, "_reset_peak", lambda: None)
+    monkeypatch.setattr(monitor, "compute_peak_bytes", lambda: int(PEAK_BYTES))
+    monkeypatch.setattr(monitor, "reset_compute_peak", lambda: None)
     replanned_with: list[float] = []
 
     def fake_replan(self, engine, check, step_s):

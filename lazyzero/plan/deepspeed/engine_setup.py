@@ -24,13 +24,13 @@ from lazyzero.config.errors import LazyZeroConfigError, Problem
 from lazyzero.gradients.node_layout import launcher_ranks_per_node
 from lazyzero.plan.deepspeed.calibrate import smallest_compute_budget, solve_with_least_excess
 from lazyzero.plan.deepspeed.costs import EMBED_AND_HEAD, decoder_layer_index
-from lazyzero.plan.deepspeed.host_memory import bound_host_heap, resident_bytes
+from lazyzero.plan.deepspeed.host_memory import bound_host_heap, compute_memory_bytes
 from lazyzero.plan.deepspeed.implied import ImpliedSetup, calibration_ds_config, implied_setup
 from lazyzero.plan.deepspeed.priced_gradients import int8_gradients_priced
 from lazyzero.plan.deepspeed.problem_from_profile import problem_for_config, training_dtype
 from lazyzero.plan.deepspeed.zero_placement import ZeroPlacement, placement_problems, zero_placement
 from lazyzero.plan.profile.layers import model_sizes_of
-from lazyzero.plan.profile.materialize import held_bytes, is_partitioned
+from lazyzero.plan.profile.materialize import held_on_compute_device, is_partitioned
 from lazyzero.plan.profile.profiler import ProfileSettings, load_or_profile, model_config_sha256
 from lazyzero.plan.report import plan_table, plot_memory
 from lazyzero.plan.solver.problem import Plan, PlanInfeasible, PlanProblem, check_act_widths
@@ -88,8 +88,9 @@ def problem_for_run(model: torch.nn.Module, ds_config: dict, settings, dist, act
     # What this rank holds besides the model, before profiling: that stays. Measured before, so that a
     # launch that profiles and one that reuses the profile plan alike (the profile's leftovers, about
     # 150 MB for SmolLM2, fall within memory_reserve). Of a model partitioned by zero.Init, a rank
-    # holds its partitions; the plan counts those.
-    process_bytes = rounded_process_bytes(resident_bytes() - sum(held_bytes(p) for p in model.parameters()))
+    # holds its partitions; the plan counts those. On CUDA both are the device's: a model still on
+    # the host takes none of its memory yet.
+    process_bytes = rounded_process_bytes(compute_memory_bytes() - held_on_compute_device(model))
     size = PROFILE_COPY_BYTES
     offload_to_nvme = settings.nvme_path is not None and not torch.cuda.is_available()
     engine_config = calibration_ds_config(ds_config, model_sizes_of(model, dist.get_world_size()),

@@ -11,6 +11,11 @@ defaults still held 2.1 GB: a budget would have meant nothing.
 `bound_host_heap()` fixes the mmap threshold (blocks of 256 KiB and more are mapped, and unmapped
 when freed), trims the heap top eagerly and caps the number of arenas. It changes where memory comes
 from, never what is computed.
+
+On CUDA the compute memory is the device's, not the host's: `compute_memory_bytes`,
+`reset_compute_peak` and `compute_peak_bytes` read the caching allocator's allocated bytes there (what
+the planner's "gpu" tier budgets; the CUDA context and the allocator's cached blocks are left to
+`plan.memory_reserve`) and the resident set on a machine without a GPU.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import functools
 import resource
 
 import psutil
+import torch
 
 # mallopt parameters (glibc malloc.h).
 _M_TRIM_THRESHOLD = -1
@@ -73,3 +79,25 @@ def peak_resident_bytes() -> int:
         pass
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _on_cuda() -> bool:
+    return torch.cuda.is_available()
+
+
+def compute_memory_bytes() -> int:
+    """The memory training computes in, held now: the device's allocated bytes on CUDA, else the resident set."""
+    return int(torch.cuda.memory_allocated()) if _on_cuda() else resident_bytes()
+
+
+def reset_compute_peak() -> None:
+    """Start a new high-water mark of the compute memory."""
+    if _on_cuda():
+        torch.cuda.reset_peak_memory_stats()
+    else:
+        reset_peak_resident()
+
+
+def compute_peak_bytes() -> int:
+    """The compute memory's high-water mark since the process started or `reset_compute_peak()`."""
+    return int(torch.cuda.max_memory_allocated()) if _on_cuda() else peak_resident_bytes()

@@ -30,7 +30,7 @@ from dataclasses import asdict, dataclass, replace
 import torch
 
 from lazyzero.plan.deepspeed.calibrate import calibrated_problem, predicted_compute_peak, with_free_widths
-from lazyzero.plan.deepspeed.host_memory import peak_resident_bytes, reset_peak_resident
+from lazyzero.plan.deepspeed.host_memory import compute_peak_bytes, reset_compute_peak
 from lazyzero.plan.deepspeed.implied import implied_setup
 from lazyzero.plan.report import plan_table
 from lazyzero.plan.solver.problem import Plan, PlanInfeasible
@@ -107,7 +107,7 @@ class PlanMonitor:
     def after_optimizer_step(self, engine) -> None:
         self._step_ends.append(time.perf_counter())
         if len(self._step_ends) == 1:
-            _reset_peak()
+            reset_compute_peak()
             self._checkpoint_overlapped = False
         self._checkpoint_overlapped |= _checkpoint_in_flight(engine)
         if len(self._step_ends) < self.settings.measure_steps + 1:
@@ -128,7 +128,8 @@ class PlanMonitor:
         # Whether a lazy checkpoint's snapshot memory is held: any rank's (they save together).
         held = float(getattr(getattr(engine, "checkpoint_engine", None), "holds_snapshot_memory", False))
         unpriced = float(self._checkpoint_overlapped and self.settings.checkpoint_every is None)
-        measured = torch.tensor([statistics.median(durations), float(_peak()), held, unpriced], dtype=torch.float64)
+        measured = torch.tensor([statistics.median(durations), float(compute_peak_bytes()), held, unpriced],
+                                dtype=torch.float64)
         measured = measured.to(engine.device)
         torch.distributed.all_reduce(measured, op=torch.distributed.ReduceOp.MAX)
         step_s, peak, held, unpriced = measured.tolist()
@@ -271,16 +272,3 @@ def _checkpoint_in_flight(engine) -> bool:
     """Whether this rank's lazy checkpoints have work queued or running (copies, writes, the commit)."""
     pending = getattr(getattr(engine, "checkpoint_engine", None), "pending", None)
     return bool(pending()) if callable(pending) else False
-
-
-def _reset_peak() -> None:
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.reset_peak_memory_stats()
-    else:
-        reset_peak_resident()
-
-
-def _peak() -> int:
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        return int(torch.cuda.max_memory_allocated())
-    return peak_resident_bytes()

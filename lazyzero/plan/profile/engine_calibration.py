@@ -54,14 +54,14 @@ from lazyzero.distributed.shm_segments import release_own_segment_name
 from lazyzero.gradients.node_layout import launcher_ranks_per_node
 from lazyzero.plan.deepspeed.host_memory import (
     bound_host_heap,
-    peak_resident_bytes,
-    reset_peak_resident,
-    resident_bytes,
+    compute_memory_bytes,
+    compute_peak_bytes,
+    reset_compute_peak,
 )
 from lazyzero.plan.deepspeed.implied import nvme_calibration_ds_config
 from lazyzero.plan.deepspeed.problem_from_profile import nvme_swaps_parameters
 from lazyzero.plan.profile.data import EngineCalibration, EngineRun
-from lazyzero.plan.profile.materialize import holds_whole_model
+from lazyzero.plan.profile.materialize import held_on_compute_device, holds_whole_model
 
 logger = logging.getLogger(__name__)
 
@@ -251,8 +251,10 @@ def _run(model: nn.Module, config: dict, batch: dict, steps: int, layers: int, n
 
     from lazyzero.plan.deepspeed.zero_placement import zero_placement
 
-    before = resident_bytes()
-    model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    # The memory training computes in (the device's on CUDA, where the model given is still on the host
+    # and takes none of it before DeepSpeed moves it).
+    before = compute_memory_bytes()
+    model_bytes = held_on_compute_device(model)
     placement = _placement(model, config, nvme, params_only)
     with zero_placement(placement) if placement is not None else nullcontext():
         engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
@@ -263,8 +265,8 @@ def _run(model: nn.Module, config: dict, batch: dict, steps: int, layers: int, n
         engine.step()
         ends.append(time.perf_counter())
         if step + 1 == WARMUP_STEPS:
-            reset_peak_resident()
-    peak = peak_resident_bytes()
+            reset_compute_peak()
+    peak = compute_peak_bytes()
     durations = [b - a for a, b in zip(ends[WARMUP_STEPS - 1:], ends[WARMUP_STEPS:])]
     torch.distributed.barrier()
     engine.destroy()

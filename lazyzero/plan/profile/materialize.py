@@ -44,6 +44,17 @@ def held_bytes(param: torch.Tensor) -> int:
     return 0 if param.is_meta else param.numel() * param.element_size()
 
 
+def held_on_compute_device(model: nn.Module) -> int:
+    """Bytes of `model`'s parameters this rank holds in the memory training computes in
+    (`host_memory.compute_memory_bytes`): on CUDA those on the device, else every one it holds."""
+    def device_type(param: torch.Tensor) -> str:
+        held = param.ds_tensor if is_partitioned(param) and param.ds_tensor is not None else param
+        return held.device.type
+
+    on_cuda = torch.cuda.is_available()
+    return sum(held_bytes(p) for p in model.parameters() if not on_cuda or device_type(p) == "cuda")
+
+
 def holds_whole_model(model: nn.Module) -> bool:
     """True when every parameter of `model` is a full tensor in memory."""
     return not any(is_partitioned(p) or p.is_meta for p in model.parameters())

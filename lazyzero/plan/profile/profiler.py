@@ -35,6 +35,7 @@ from torch import nn
 from lazyzero._version import __version__ as lazyzero_version
 from lazyzero.activations.config import ActivationsConfig
 from lazyzero.plan.deepspeed.costs import EMBED_AND_HEAD
+from lazyzero.plan.deepspeed.host_memory import compute_memory_bytes
 from lazyzero.plan.profile import grad_error as grad_error_
 from lazyzero.plan.profile import layers as layers_
 from lazyzero.plan.profile import machine as machine_
@@ -50,8 +51,7 @@ from lazyzero.plan.profile.data import (
     ModelProfile,
 )
 from lazyzero.plan.profile.engine_calibration import calibrate_engine
-from lazyzero.plan.profile.materialize import held_bytes
-from lazyzero.plan.profile.measure import process_rss_bytes
+from lazyzero.plan.profile.materialize import held_on_compute_device
 from lazyzero.plan.solver.problem import BIT_WIDTHS
 
 # Config keys that do not change what a training step computes (labels, special ids, output flags).
@@ -149,10 +149,10 @@ def fingerprint(model: nn.Module, request: _Request) -> Fingerprint:
 
 
 def memory_snapshot(model: nn.Module) -> MemorySnapshot:
-    """The resident set, and what this rank holds of the model (of a partitioned parameter its
-    partition, of a meta one nothing)."""
+    """The compute memory held (the resident set; on CUDA the device's allocated bytes), and what this
+    rank holds of the model there (of a partitioned parameter its partition, of a meta one nothing)."""
     buffers = sum(t.numel() * t.element_size() for t in model.buffers() if not t.is_meta)
-    return MemorySnapshot(process_rss_bytes(), sum(held_bytes(p) for p in model.parameters()), buffers)
+    return MemorySnapshot(compute_memory_bytes(), held_on_compute_device(model), buffers)
 
 
 class _Phases:

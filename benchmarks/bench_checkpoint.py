@@ -29,9 +29,14 @@ What is reported (rank 0's clocks; steps are collective, so both ranks' clocks a
   (64 MiB os.write calls from a ready buffer, fsync), summed over ranks; write_bw_ratio_idle_cores:
   the same with lazyzero's bandwidth while training on idle cores (on busy cores its writer only
   gets what training leaves, by design: SCHED_IDLE; that figure is in `write_bandwidth`).
+- commit_steps_idle_cores: steps from lazyzero's save to its commit (median), in steps without a
+  checkpoint; a checkpoint every BLOCK steps must commit within BLOCK.
 - Counted directly, per checkpoint (they do not drift with the machine): CPU seconds of lazyzero's
   copy, flush and writer threads; seconds training waited for them (optimizer steps waiting for the
   snapshot, a save waiting for a free buffer, the final wait); CPU seconds of DeepSpeed's save call.
+`--gpu` (benchmarks/gpu_checks.sh): one rank on the GPU (NCCL), DeepSpeed's default engine and
+lazyzero's only; the same keys (`stall_ratio_vs_deepspeed` is then the one GPU's; `idle_cores` runs
+the GPU's real forward and backward of a short batch plus a sleep, a figure with little meaning there).
 """
 
 from __future__ import annotations
@@ -48,6 +53,8 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # `common` sits beside this script
 from common import pin_threads, write_results  # noqa: E402
@@ -81,6 +88,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--model", help="a lazyzero preset name such as 'demo' instead of the llama above")
     parser.add_argument("--pairs", type=int, help="pairs of blocks per scenario (default: 5 quick, 10 full)")
     parser.add_argument("--save-dir", type=Path, help="where checkpoints go (default: a new folder under the temp dir)")
+    parser.add_argument("--engines", type=lambda text: tuple(text.split(",")), default=ENGINES,
+                        help=f"engines to launch, comma-separated, lazyzero among them (default: {','.join(ENGINES)})")
+    parser.add_argument("--copy-bandwidth-share", type=float,
+                        help="lazyzero.checkpoint.copy_bandwidth_share for lazyzero's launch (default: the config's)")
+    parser.add_argument("--gpu", action="store_true", help="one rank on the GPU, DeepSpeed's engine and lazyzero's")
     return parser.parse_args()
 
 
@@ -93,7 +105,8 @@ def model_spec(args: argparse.Namespace, folder: Path) -> str:
     return str(path)
 
 
-def run_engine(engine: str, spec: str, save_root: Path, pairs: int, accelerator_s: float | None) -> dict:
+def run_engine(engine: str, spec: str, save_root: Path, pairs: int, accelerator_s: float | None,
+               world_size: int = WORLD_SIZE, copy_bandwidth_share: float | None = None) -> dict:
     """One 2-rank launch of the worker for `engine`; its JSON (every rank's record). Lines the worker
     prints for progress are echoed; the whole output is kept in a log beside the checkpoints and
     shown (its end) if the launch fails."""
@@ -102,10 +115,12 @@ def run_engine(engine: str, spec: str, save_root: Path, pairs: int, accelerator_
             "--pairs", str(pairs), "--interval", str(BLOCK), "--batch", str(MICRO_BATCH), "--seq", str(SEQUENCE)]
     if accelerator_s is not None:
         argv += ["--accelerator-s", repr(accelerator_s)]
+    if copy_bandwidth_share is not None:
+        argv += ["--copy-bandwidth-share", repr(copy_bandwidth_share)]
     port = free_port()
     try:
         with log.open("w") as sink:
-            code = stream_launch(launch_command("deepspeed", WORLD_SIZE, argv, port=port), sink)
+            code = stream_launch(launch_command("deepspeed", world_size, argv, port=port), sink)
     finally:
         remove_leftover_segments(port)
         shutil.rmtree(save_dir, ignore_errors=True)
@@ -156,6 +171,11 @@ def scenario_figures(pairs: list[dict]) -> dict:
     return figures
 
 
+def commit_steps(figures: dict) -> float:
+    """Steps from a save to its commit (median), in the scenario's own step time without a checkpoint."""
+    return figures["per_checkpoint"]["queued_to_committed_s"] / (figures["block_without_s"] / BLOCK)
+
+
 def write_bandwidth(records: list[dict]) -> dict:
     """lazyzero's write bandwidth (paused, and while training in each scenario) against the plain
     sequential write, summed over ranks."""
@@ -190,13 +210,14 @@ def summarize(runs: dict[str, dict]) -> tuple[dict[str, float], dict]:
     for scenario in SCENARIOS:
         suffix = "" if scenario == "busy_cores" else "_idle_cores"
         ours = Interval(**figures["lazyzero"][scenario]["stall"])
-        for baseline in BASELINES:
+        for baseline in (name for name in BASELINES if name in runs):
             intervals[f"stall_ratio_vs_{baseline}{suffix}"] = ratio_interval(
                 Interval(**figures[baseline][scenario]["stall"]), ours)
         intervals[f"e2e_overhead{suffix}"] = Interval(**figures["lazyzero"][scenario]["e2e_overhead"])
     headline = ("stall_ratio_vs_deepspeed", "stall_ratio_vs_deepspeed_idle_cores", "e2e_overhead",
                 "e2e_overhead_idle_cores")
-    results = {key: intervals[key].value for key in headline}
+    results = {key: intervals[key].value for key in headline if key in intervals}
+    results["commit_steps_idle_cores"] = commit_steps(figures["lazyzero"]["idle_cores"])
     results.update({key: bandwidth[key] for key in ("write_bw_ratio", "write_bw_ratio_idle_cores")})
     rank0 = runs["lazyzero"]["ranks"][0]
     details = {
@@ -215,7 +236,8 @@ def summarize(runs: dict[str, dict]) -> tuple[dict[str, float], dict]:
 
 
 def print_table(details: dict) -> None:
-    print(f"\n{details['context']['parameters'] / 1e6:.1f}M parameters, ZeRO-3 fp32, {WORLD_SIZE} ranks, "
+    print(f"\n{details['context']['parameters'] / 1e6:.1f}M parameters, ZeRO-3 fp32, {details['setup']['world_size']} "
+          "ranks, "
           f"a checkpoint every {BLOCK} steps; stall per checkpoint in seconds (95% CI)")
     for scenario in SCENARIOS:
         print(f"  {scenario}:")
@@ -239,17 +261,25 @@ def main() -> None:
     save_root = Path(tempfile.mkdtemp(prefix="bench_checkpoint-", dir=args.save_dir))
     spec = model_spec(args, save_root)
     pairs = args.pairs or PAIRS[args.quick]
+    if args.gpu and not torch.cuda.is_available():
+        raise SystemExit("--gpu: no CUDA device here")
+    engines, world_size = (("deepspeed", "lazyzero"), 1) if args.gpu else (args.engines, WORLD_SIZE)
+    if "lazyzero" not in engines or not set(engines) <= set(ENGINES):
+        raise SystemExit(f"--engines {','.join(engines)}: lazyzero and any of {', '.join(ENGINES)}")
     runs, accelerator_s = {}, None
-    for engine in ENGINES:
-        runs[engine] = run_engine(engine, spec, save_root, pairs, accelerator_s)
+    for engine in engines:
+        runs[engine] = run_engine(engine, spec, save_root, pairs, accelerator_s, world_size,
+                                  args.copy_bandwidth_share)
         # The idle_cores sleep is measured once, in the first launch, and given to the others.
         accelerator_s = runs[engine]["ranks"][0]["warmup"]["accelerator_s"]
     # Only now: after a failure the launch logs stay there (checkpoints are removed after each launch).
     shutil.rmtree(save_root)
     results, details = summarize(runs)
     details["setup"] = {"model": args.model or ("100m" if args.quick else "200m"), "micro_batch": MICRO_BATCH,
-                        "sequence": SEQUENCE, "world_size": WORLD_SIZE, "threads_per_rank": THREADS_PER_RANK,
-                        "block_steps": BLOCK, "pairs_per_scenario": pairs, "runtime_s": time.perf_counter() - started}
+                        "sequence": SEQUENCE, "world_size": world_size, "gpu": args.gpu,
+                        "threads_per_rank": THREADS_PER_RANK,
+                        "block_steps": BLOCK, "pairs_per_scenario": pairs, "runtime_s": time.perf_counter() - started,
+                        "copy_bandwidth_share": args.copy_bandwidth_share}
     details["raw"] = {engine: run["ranks"] for engine, run in runs.items()}
     print_table(details)
     write_results(args.out, "bench_checkpoint", args.quick, results, details)

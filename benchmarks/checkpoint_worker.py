@@ -81,15 +81,19 @@ def parse_worker_args() -> argparse.Namespace:
     parser.add_argument("--plain-write-repeats", type=int, default=3)
     parser.add_argument("--accelerator-s", type=float,
                         help="the idle_cores sleep per step, measured by an earlier launch (default: measure it)")
+    parser.add_argument("--copy-bandwidth-share", type=float,
+                        help="lazyzero: lazyzero.checkpoint.copy_bandwidth_share (default: the config's default)")
     return parser.parse_args(worker_args())
 
 
-def engine_config(engine_name: str, batch: int) -> dict:
+def engine_config(engine_name: str, batch: int, copy_bandwidth_share: float | None = None) -> dict:
     """The CPU demo config (ZeRO-3, AdamW with torch_adam, fp32) with this engine's checkpoint section."""
     config = json.loads(BASE_CONFIG.read_text())
     config.pop("lazyzero", None)
     config["train_micro_batch_size_per_gpu"] = batch
-    config.update(ENGINE_SECTIONS[engine_name])
+    config.update(json.loads(json.dumps(ENGINE_SECTIONS[engine_name])))
+    if copy_bandwidth_share is not None and engine_name == "lazyzero":
+        config["lazyzero"]["checkpoint"]["copy_bandwidth_share"] = copy_bandwidth_share
     return config
 
 
@@ -97,7 +101,7 @@ def make_engine(args: argparse.Namespace):
     """(engine, parameter count): plain DeepSpeed for its two engines, lazyzero for ours."""
     model = build_model(args.model, seed=SEED)
     parameters = sum(p.numel() for p in model.parameters())
-    config = engine_config(args.engine, args.batch)
+    config = engine_config(args.engine, args.batch, args.copy_bandwidth_share)
     initialize = lazyzero.initialize if args.engine == "lazyzero" else deepspeed.initialize
     engine, _, _, _ = initialize(model=model, model_parameters=model.parameters(), config=config)
     return engine, parameters
@@ -173,7 +177,7 @@ class Trainer:
 
     def forward_backward(self, short: bool) -> float:
         batches = self.short_batches if short else self.batches
-        ids = batches[self.steps_done % len(batches)]
+        ids = batches[self.steps_done % len(batches)].to(self.engine.device)
         start = time.perf_counter()
         loss = self.engine(input_ids=ids, labels=ids).loss
         if short:
@@ -191,7 +195,7 @@ class Trainer:
             self.engine.step()
             self.steps_done += 1
         # Every rank sleeps the same time: the slowest rank's, as a collective step would.
-        measured = torch.tensor([statistics.median(seconds)])
+        measured = torch.tensor([statistics.median(seconds)], device=self.engine.device)  # NCCL's on a GPU
         dist.all_reduce(measured, op=dist.ReduceOp.MAX)
         self.accelerator_s = float(measured) if given_s is None else given_s
         return {"forward_backward_s": seconds, "measured_accelerator_s": float(measured),

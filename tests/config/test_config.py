@@ -213,9 +213,9 @@ BAD_CONFIGS = [
     ({"plan": {"gpu_memory": "1GB"}}, "lazyzero.plan.gpu_memory", "did you mean 'gpu_mem'?"),
     ({"activations": {"overides": {}}}, "lazyzero.activations.overides", "did you mean 'overrides'?"),
     ({"checkpoint": {"keep_lsat": 2}}, "lazyzero.checkpoint.keep_lsat",
-     "allowed keys: allow_pickle, allow_unverified, background_priority, enabled, exit_timeout_s, "
-     "host_buffer_limit, keep_last, max_in_flight, on_damaged_latest, save_on_sigterm, verify_on_load, "
-     "writer_threads"),
+     "allowed keys: allow_pickle, allow_unverified, background_priority, copy_bandwidth_share, enabled, "
+     "exit_timeout_s, host_buffer_limit, keep_last, max_in_flight, on_damaged_latest, save_on_sigterm, "
+     "verify_on_load, writer_threads"),
     ({"optimizer": {"Type": "adam8bit"}}, "lazyzero.optimizer.Type", "did you mean 'type'?"),
     ({"gradients": {"enable": True}}, "lazyzero.gradients.enable", "did you mean 'enabled'?"),
     # DeepSpeedConfigModel would swallow a key named "strict"; ours must not.

@@ -3,6 +3,7 @@
 #include <torch/library.h>
 
 #include "adam8bit/adam_cpu.h"
+#include "norms/rms_norm_cpu.h"
 #include "quant/quant_cpu.h"
 
 TORCH_LIBRARY_IMPL(lazyzero, CPU, m) {
@@ -27,4 +28,10 @@ TORCH_LIBRARY_IMPL(lazyzero, CPU, m) {
   m.impl("adam8bit_step_", &adam8bit_step_cpu);
   m.impl("adam32_step_", &adam32_step_cpu);
   m.impl("sum_squares", &sum_squares_cpu);
+}
+
+TORCH_LIBRARY_IMPL(lazyzero, CPU, m) {
+  using namespace lazyzero::norms;
+  m.impl("rms_norm_rows", &rms_norm_rows_cpu);
+  m.impl("rms_norm_rows_backward", &rms_norm_rows_backward_cpu);
 }

@@ -7,7 +7,8 @@ recomputing the rest in backward costs a few elementwise passes and no matmul:
 - **Norms** (RMSNorm, LayerNorm): HF's RMSNorm saves an fp32 copy of its input, 1/rms and the
   normalized input (6 bytes per element in a bf16 model). `recompute_from_input` makes the norm
   save only its input, packed at the norm's width, and rerun the norm in backward from it (for
-  transformers' RMSNorms, its gradients in closed form from that input instead). Its
+  transformers' RMSNorms, its gradients in closed form from that input instead, one native call:
+  lazyzero/ops/norms.py). Its
   output is a recipe over that input too, which a consumer storing it no wider than the norm (the
   MLP's projections, the attention's: see policy.py) uses instead of storing it again; a 16-bit
   consumer keeps the exact output. (Not
@@ -26,6 +27,7 @@ import torch
 from torch import nn
 
 from lazyzero.activations.stored import PackedView, unpack_saved
+from lazyzero.ops import norms, norms_reference
 from lazyzero.patch_point import clear_state, set_state
 
 _OWNER = "lazyzero.activations (saved-activation rewrites)"
@@ -41,6 +43,7 @@ GATED_MLP_PARTS = ("gate_proj", "up_proj", "down_proj", "act_fn")
 # the chain of elementwise passes in cache. On a GPU each piece costs a dozen kernel launches whatever
 # its size, so a piece is sized for each fp32 pass to take longer than launching it
 # (docs/activations.md, "On a GPU"; measurements: benchmarks/results/records/2026-12-02-activations-runs.md).
+# transformers' RMSNorms skip the pieces where the native kernels run (lazyzero/ops/norms.py).
 DEVICE_PIECE_ELEMENTS = 1 << 22
 CPU_PIECE_ELEMENTS = 1 << 17
 
@@ -129,8 +132,9 @@ HF_RMS_NORMS = frozenset({"LlamaRMSNorm", "Qwen2RMSNorm", "MistralRMSNorm"})
 
 
 class _RMSNormFromInput(torch.autograd.Function):
-    """An RMSNorm of `HF_RMS_NORMS` saving only its input x; backward is the closed form
-    (`rms_norm_backward`), in half the time of rerunning the norm's ops and differentiating them."""
+    """An RMSNorm of `HF_RMS_NORMS` saving only its input x; backward is the closed form, in half the
+    time of rerunning the norm's ops and differentiating them: one native call (`lazyzero.ops.norms`),
+    or `rms_norm_backward` where the native CPU kernels cannot be built."""
 
     @staticmethod
     def forward(ctx, run, x, weight, eps):
@@ -141,8 +145,9 @@ class _RMSNormFromInput(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_output):
         (stored_x,) = ctx.saved_tensors
-        grad_x, grad_weight = rms_norm_backward(stored_x, grad_output, ctx.weight.detach(), ctx.eps,
-                                                ctx.needs_input_grad[1], ctx.needs_input_grad[2])
+        wants = ctx.needs_input_grad[1], ctx.needs_input_grad[2]
+        backward = norms.rms_norm_rows_backward if norms.native_available(stored_x.device) else rms_norm_backward
+        grad_x, grad_weight = backward(stored_x, grad_output, ctx.weight.detach(), ctx.eps, *wants)
         return None, grad_x, grad_weight, None
 
 
@@ -150,25 +155,37 @@ def rms_norm_backward(x: torch.Tensor, grad_output: torch.Tensor, weight: torch.
                       wants_x: bool = True, wants_weight: bool = True):
     """Gradients (of x, of weight; None where not wanted) of y = w * bf16(x̂), x̂ = x * r,
     r = rsqrt(mean(x^2) + eps), from x alone: with g = w * dy, dx = r * (g - x̂ * mean(g * x̂)) and
-    dw = sum over rows of dy * x̂. In fp32, a piece of rows at a time (`row_pieces`),
-    the weight's sums kept in fp32 across pieces."""
+    dw = sum over rows of dy * x̂. The reference's maths (`norms_reference.rms_norm_rows_gradients`)
+    a piece of rows at a time (`row_pieces`), the weight's sums kept in fp32 across pieces."""
     width = x.shape[-1]
     rows_x = x.reshape(-1, width)
     rows_grad = grad_output.reshape(rows_x.shape)
     grad_x = torch.empty_like(rows_x) if wants_x else None
     weight_sum = torch.zeros(width, dtype=torch.float32, device=x.device) if wants_weight else None
     for piece in row_pieces(rows_x):
-        normalized = rows_x[piece].float()
-        rstd = normalized.square().mean(-1, keepdim=True).add_(eps).rsqrt_()
-        normalized.mul_(rstd)
+        piece_x, piece_sum = norms_reference.rms_norm_rows_gradients(rows_x[piece], rows_grad[piece], weight, eps,
+                                                                     wants_x, wants_weight)
         if wants_weight:
-            weight_sum += (rows_grad[piece].float() * normalized).sum(0)
+            weight_sum += piece_sum
         if wants_x:
-            scaled = (rows_grad[piece] * weight).float()
-            mean = (scaled * normalized).mean(-1, keepdim=True)
-            grad_x[piece] = scaled.sub_(normalized.mul_(mean)).mul_(rstd)
+            grad_x[piece] = piece_x
     return (grad_x.reshape(x.shape) if wants_x else None,
             weight_sum.to(weight.dtype) if wants_weight else None)
+
+
+def rebuild_output(module: nn.Module, original):
+    """The module's output from its input, for its consumers' backward: for an HF RMSNorm one native
+    call (`norms.rms_norm_rows`) where the native kernels run, else `original` by pieces of rows."""
+    in_pieces = by_row_pieces(original)
+    if not _is_hf_rms_norm(module):
+        return in_pieces
+
+    def rebuild(x: torch.Tensor) -> torch.Tensor:
+        if norms.native_available(x.device):
+            return norms.rms_norm_rows(x, module.weight.detach(), module.variance_epsilon)
+        return in_pieces(x)
+
+    return rebuild
 
 
 def _is_hf_rms_norm(module: nn.Module) -> bool:
@@ -184,7 +201,7 @@ def recompute_from_input(module: nn.Module, packer) -> None:
     the module's backward already.
     """
     original = module.forward
-    rebuild = by_row_pieces(original)  # the output, for its consumers' backward
+    rebuild = rebuild_output(module, original)
     hf_rms_norm = _is_hf_rms_norm(module)
 
     def forward(x):

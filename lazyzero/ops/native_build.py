@@ -41,8 +41,9 @@ BACKENDS = ("cpu", "cuda")
 
 # The one list of sources, relative to csrc/, that every build of each backend compiles.
 NATIVE_SOURCES = {
-    "cpu": ("registration.cpp", "quant/quant_cpu.cpp", "quant/token_blocks_cpu.cpp", "adam8bit/adam_cpu.cpp"),
-    "cuda": ("quant/quant_cuda.cu", "quant/token_blocks_cuda.cu", "adam8bit/adam_cuda.cu"),
+    "cpu": ("registration.cpp", "quant/quant_cpu.cpp", "quant/token_blocks_cpu.cpp", "adam8bit/adam_cpu.cpp",
+            "norms/rms_norm_cpu.cpp"),
+    "cuda": ("quant/quant_cuda.cu", "quant/token_blocks_cuda.cu", "adam8bit/adam_cuda.cu", "norms/rms_norm_cuda.cu"),
 }
 
 # -ffp-contract=off: a fused multiply-add rounds once where the reference rounds twice, and the
@@ -56,7 +57,7 @@ LD_FLAGS = ("-fopenmp",)
 NVCC_FLAGS = ("-O3", "--fmad=false")
 
 # Modules whose import defines the schemas the native kernels attach to.
-SCHEMA_MODULES = ("lazyzero.ops.quant", "lazyzero.ops.adam8bit")
+SCHEMA_MODULES = ("lazyzero.ops.quant", "lazyzero.ops.adam8bit", "lazyzero.ops.norms")
 
 _FAILURE_MARKER = "BUILD_FAILED"
 

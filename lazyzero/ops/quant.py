@@ -161,7 +161,7 @@ def _restore_token_blocks_fake(codes, scales, centres, tokens, channels, bits, b
 
 
 class NativeCalls:
-    """`with NativeCalls() as calls:` counts the quant ops called through this module's wrappers, by
+    """`with NativeCalls() as calls:` counts the native ops called through their wrappers (quant, norms), by
     name (`calls.counts`, `calls.total`), whether the native kernel or the reference runs them. On a
     GPU each is one kernel launch; what a caller launches beyond them is its own tensor operations."""
 
@@ -182,13 +182,18 @@ class NativeCalls:
         NativeCalls._active.remove(self)
 
 
-def _run(op_name: str, device: torch.device, *args):
-    """The native op when its kernels are loaded for `device`, else the reference (CPU only)."""
+def run_counted(reference, op_name: str, device: torch.device, *args):
+    """The native op when its kernels are loaded for `device`, else the function of that name in the
+    module `reference` (CPU only); counted by every active `NativeCalls`."""
     for calls in NativeCalls._active:
         calls.counts[op_name] = calls.counts.get(op_name, 0) + 1
     if device.type == "meta" or ensure_native(device.type):
         return getattr(torch.ops.lazyzero, op_name)(*args)
-    return getattr(quant_reference, op_name)(*args)
+    return getattr(reference, op_name)(*args)
+
+
+def _run(op_name: str, device: torch.device, *args):
+    return run_counted(quant_reference, op_name, device, *args)
 
 
 @dataclass(frozen=True)
